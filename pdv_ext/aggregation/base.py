@@ -1,0 +1,111 @@
+"""The Aggregator protocol and its registry.
+
+An aggregator turns every replica's local gradients into the gradients each honest replica applies.
+It is configuration plus a little state (error-feedback buffers, RNG), like an algorithm of
+torch.distributed.algorithms; all communication goes through a `Comm`, so the same object runs inside
+DeepSpeed's pipeline engine (one per stage, over the stage's data-parallel group) and under Horovod.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Dict, List, Optional, Type, Union
+
+import torch
+
+from ..comm.base import Comm
+from ..config_base import StrictModel
+from ..registry import Registry
+
+AGGREGATORS: Registry = Registry("aggregator", "pdv_ext.aggregators")
+
+
+class Aggregator:
+    """Base class. Subclasses set `name`, an `Options` model (their config keys) and `aggregate`.
+
+    - `aggregate(grads, comm)` is collective: every rank of `comm` calls it with tensors of the same
+      shapes, in the same order; it returns the tensors to apply (it may reuse the inputs' storage).
+    - `report` holds what the last call measured (dropped ranks, consensus distance, ...) for the Monitor.
+    - `state_dict()/load_state_dict()` carry what must survive a checkpoint (error feedback, RNG, step).
+    """
+
+    name: ClassVar[str] = "base"
+    #: True when `aggregate` expects `set_validation_grads` to be called first (Zeno)
+    needs_validation: ClassVar[bool] = False
+
+    class Options(StrictModel):
+        pass
+
+    def __init__(self, options: Optional[Union[Dict[str, Any], StrictModel]] = None, **kwargs: Any):
+        if isinstance(options, StrictModel):
+            options = options.model_dump()
+        self.options = self.Options.model_validate({**(options or {}), **kwargs})
+        self.step = 0
+        self.report: Dict[str, Any] = {}
+
+    def aggregate(self, grads: List[torch.Tensor], comm: Comm) -> List[torch.Tensor]:
+        raise NotImplementedError
+
+    def __call__(self, grads: List[torch.Tensor], comm: Comm) -> List[torch.Tensor]:
+        out = self.aggregate(grads, comm)
+        self.step += 1
+        return out
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.step = int(state.get("step", 0))
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.model_dump().items())
+        return f"{type(self).__name__}({opts})"
+
+
+def register_aggregator(name: Optional[str] = None):
+    """Class decorator: make an Aggregator selectable as `"pdv": {"aggregation": {"type": name}}`."""
+
+    def deco(cls: Type[Aggregator]) -> Type[Aggregator]:
+        key = name or cls.name
+        cls.name = key
+        AGGREGATORS.register(key, cls)
+        return cls
+
+    return deco
+
+
+def build_aggregator(spec: Union[str, Dict[str, Any], Any, Aggregator, None] = None) -> Aggregator:
+    """An Aggregator from a name, a `{"type": ..., **options}` dict or an AggregationConfig."""
+    if isinstance(spec, Aggregator):
+        return spec
+    if spec is None:
+        spec = {"type": "mean"}
+    if isinstance(spec, str):
+        spec = {"type": spec}
+    if not isinstance(spec, dict):  # AggregationConfig
+        spec = {"type": spec.type, **spec.options}
+    spec = dict(spec)
+    cls = AGGREGATORS.get(spec.pop("type", "mean"))
+    if isinstance(cls, type) and issubclass(cls, Aggregator):
+        return cls(spec)
+    return cls(**spec)  # a factory function registered by a user
+
+
+def flatten(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """One contiguous 1-D buffer of `tensors` (same dtype)."""
+    if not tensors:
+        return torch.empty(0)
+    return torch._utils._flatten_dense_tensors([t.contiguous() for t in tensors])
+
+
+def unflatten_into(flat: torch.Tensor, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Copy `flat` back into `tensors` (in place); returns `tensors`."""
+    for dst, src in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+        dst.copy_(src)
+    return tensors
+
+
+def group_by_dtype(tensors: List[torch.Tensor]) -> Dict[torch.dtype, List[int]]:
+    """Indices of `tensors` per dtype, in first-seen order."""
+    groups: Dict[torch.dtype, List[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return groups

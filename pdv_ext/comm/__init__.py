@@ -1,0 +1,13 @@
+"""Communication adapters: one `Comm` protocol, one implementation per framework."""
+from .base import Comm, LocalComm
+from .torch_comm import TorchComm
+
+__all__ = ["Comm", "LocalComm", "TorchComm", "HorovodComm"]
+
+
+def __getattr__(name):  # HorovodComm imports horovod lazily: most users never need it
+    if name == "HorovodComm":
+        from .horovod_comm import HorovodComm
+
+        return HorovodComm
+    raise AttributeError(name)

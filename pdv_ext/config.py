@@ -1,0 +1,159 @@
+"""The `"pdv"` section of a DeepSpeed config: schema, loading, and one clear error per bad key.
+
+Each capability owns its sub-schema (aggregation options live on the aggregator class, placement in
+`placement/config.py`, ...); this module assembles them and turns pydantic's errors into lines that name
+the full key path (`pdv.aggregation.type: ...`) with a did-you-mean hint for misspelt keys.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional, Tuple, Type, Union
+
+import yaml
+from pydantic import ConfigDict, Field, ValidationError
+
+from .registry import RegistryError, did_you_mean
+
+
+from .config_base import ConfigError, StrictModel, format_errors  # noqa: E402,F401
+
+# --- sub-sections (each capability owns its schema) ----------------------------------------------
+from .placement.config import PlacementConfig  # noqa: E402
+from .policy.config import PolicyConfig  # noqa: E402
+from .init_search_config import InitSearchConfig  # noqa: E402
+from .aggregation.faults_config import FaultsConfig  # noqa: E402
+
+
+class AggregationConfig(StrictModel):
+    """`pdv.aggregation`: `type` names a registered aggregator; the other keys are its options, checked
+    against that aggregator's own `Options` model."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    type: str = "mean"
+
+    @property
+    def options(self) -> Dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class PDVConfig(StrictModel):
+    """The whole `"pdv"` section."""
+
+    aggregation: AggregationConfig = Field(default_factory=AggregationConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    init_search: InitSearchConfig = Field(default_factory=InitSearchConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+
+
+def aggregation_errors(section: Dict[str, Any], prefix: str = "pdv.aggregation") -> List[str]:
+    """Check `type` against the registry and the remaining keys against that aggregator's options."""
+    from .aggregation import AGGREGATORS
+
+    name = section.get("type", "mean")
+    if not isinstance(name, str):
+        return [f"{prefix}.type: must be a string naming an aggregator (got {name!r})"]
+    try:
+        cls = AGGREGATORS.get(name)
+    except RegistryError as exc:
+        return [f"{prefix}.type: {exc}"]
+    options_model = getattr(cls, "Options", None)
+    opts = {k: v for k, v in section.items() if k != "type"}
+    if options_model is None:
+        return [f"{prefix}.{k}: unknown key; aggregator '{name}' takes no options" for k in opts]
+    try:
+        options_model.model_validate(opts)
+    except ValidationError as exc:
+        return format_errors(exc, options_model, prefix)
+    return []
+
+
+def validate_pdv(section: Any, prefix: str = "pdv") -> Tuple[Optional[PDVConfig], List[str]]:
+    """Validate a `"pdv"` dict; returns (config or None, error lines)."""
+    if section is None:
+        section = {}
+    if not isinstance(section, dict):
+        return None, [f"{prefix}: must be an object/mapping (got {type(section).__name__})"]
+    errors: List[str] = []
+    cfg: Optional[PDVConfig] = None
+    try:
+        cfg = PDVConfig.model_validate(section)
+    except ValidationError as exc:
+        errors.extend(format_errors(exc, PDVConfig, prefix))
+    agg = section.get("aggregation", {})
+    if isinstance(agg, dict):
+        errors.extend(aggregation_errors(agg, f"{prefix}.aggregation"))
+    # cross-section checks owned by each capability
+    if cfg is not None and not errors:
+        for check in _CROSS_CHECKS:
+            errors.extend(check(cfg, prefix))
+    return (cfg if not errors else None), errors
+
+
+_CROSS_CHECKS: List[Any] = []
+
+
+def cross_check(fn):
+    """Register a whole-config check `fn(cfg, prefix) -> list[str]` (e.g. a policy naming an aggregator)."""
+    _CROSS_CHECKS.append(fn)
+    return fn
+
+
+def read_file(path: Union[str, os.PathLike]) -> Dict[str, Any]:
+    """Read a JSON or YAML file into a dict, with an error that names the file."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read ({exc.strerror})"]) from exc
+    try:
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError([f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {exc}"]) from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: top level must be an object"])
+    return data
+
+
+def split_config(config: Union[None, str, os.PathLike, Dict[str, Any]]) -> Tuple[Dict[str, Any], PDVConfig]:
+    """DeepSpeed config (path or dict) -> (DeepSpeed dict without `"pdv"`, validated PDVConfig).
+
+    Raises ConfigError with every problem at once. A file holding only the pdv section (Horovod users'
+    YAML) may also put it at top level: keys of PDVConfig at the top are taken as the section.
+    """
+    data = read_file(config) if isinstance(config, (str, os.PathLike)) else dict(config or {})
+    if "pdv" in data:
+        section = data.pop("pdv")
+    elif data and set(data) <= set(PDVConfig.model_fields):
+        section, data = data, {}
+    else:
+        section = {}
+    cfg, errors = validate_pdv(section)
+    if errors:
+        raise ConfigError(errors)
+    assert cfg is not None
+    return data, cfg
+
+
+def load_pdv(config: Union[None, str, os.PathLike, Dict[str, Any], PDVConfig]) -> PDVConfig:
+    """A PDVConfig from a PDVConfig, a `"pdv"` dict, a DeepSpeed config dict or a file path."""
+    if isinstance(config, PDVConfig):
+        return config
+    return split_config(config)[1]
+
+
+def check_file(path: str) -> List[str]:
+    """Every error of the `"pdv"` section of a config file (empty when valid)."""
+    try:
+        data = read_file(path)
+    except ConfigError as exc:
+        return exc.errors
+    if "pdv" not in data and data and set(data) <= set(PDVConfig.model_fields):
+        section = data
+    else:
+        section = data.get("pdv", {})
+    return validate_pdv(section)[1]

@@ -1,0 +1,282 @@
+"""DeepSpeed integration: `initialize`, `PDVPipelineEngine`, explicit stage boundaries and rank mapping.
+
+DeepSpeed's pipeline engine dispatches schedule instructions through the class-level dict
+`PipelineEngine._INSTRUCTION_MAP`, which holds the *base class's* functions: overriding
+`_exec_reduce_grads` in a subclass is never called. We rebuild the map with our ReduceGrads handler
+(DeepSpeed's DualPipeVEngine does the same). Tied-weight reduction stays DeepSpeed's.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+import deepspeed
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.pipe import schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.module import PipelineModule
+from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
+
+from ..aggregation import Aggregator, build_aggregator
+from ..comm import TorchComm
+from ..config import ConfigError, PDVConfig, split_config
+
+
+# ---------------------------------------------------------------------------------------------------
+# Placement mechanisms: explicit rank mapping and explicit stage boundaries
+# ---------------------------------------------------------------------------------------------------
+class MappedTopology(ProcessTopology):
+    """A pipe x data topology whose (stage, replica) -> global rank mapping is given explicitly.
+
+    `rank_mapping[stage][replica] = global rank`. DeepSpeed builds its pipe and data-parallel groups
+    from `mapping`, so any one-to-one assignment works (every stage has the same replica count).
+    """
+
+    def __init__(self, rank_mapping: Sequence[Sequence[int]]):
+        rows = [list(map(int, r)) for r in rank_mapping]
+        if not rows or len({len(r) for r in rows}) != 1:
+            raise ValueError("rank_mapping needs one equally long list of ranks per stage")
+        flat = sorted(r for row in rows for r in row)
+        if flat != list(range(len(flat))):
+            raise ValueError(f"rank_mapping must use each rank 0..{len(flat) - 1} exactly once (got {rows})")
+        super().__init__(axes=["pipe", "data"], dims=[len(rows), len(rows[0])])
+        self.mapping = {self.ProcessCoord(pipe=s, data=d): r for s, row in enumerate(rows) for d, r in enumerate(row)}
+        self.rank_mapping = rows
+
+
+def row_major_mapping(num_stages: int, world_size: int) -> List[List[int]]:
+    """DeepSpeed's default placement (PipeDataParallelTopology): stage s holds ranks s*D .. s*D+D-1."""
+    dp = world_size // num_stages
+    return [[s * dp + d for d in range(dp)] for s in range(num_stages)]
+
+
+def current_mapping(module: PipelineModule) -> List[List[int]]:
+    """The module's rank mapping, `[stage][replica] -> global rank`."""
+    topo = module._topo
+    p, d = topo.get_dim("pipe"), topo.get_dim("data")
+    return [[topo.get_rank(pipe=s, data=r) for r in range(d)] for s in range(p)]
+
+
+def apply_placement(module: PipelineModule, boundaries: Optional[Sequence[int]] = None,
+                    rank_mapping: Optional[Sequence[Sequence[int]]] = None) -> bool:
+    """Re-partition a built `PipelineModule` in place (all ranks must call it with the same arguments).
+
+    `boundaries` are DeepSpeed's `parts` (stage s holds layers boundaries[s]..boundaries[s+1]-1);
+    `rank_mapping[stage][replica]` is the global rank. Either may be None (kept as is). The local
+    stage's layers are rebuilt from their specs; use `seed_layers=True` in the PipelineModule for
+    initial weights that do not depend on the placement. Returns True when anything changed.
+    """
+    changed = False
+    world = module.world_size
+    if rank_mapping is not None:
+        rows = [list(r) for r in rank_mapping]
+        if sum(len(r) for r in rows) != world:
+            raise ConfigError([f"pdv.placement.rank_mapping: places {sum(len(r) for r in rows)} ranks but the job "
+                               f"has {world}"])
+        if rows != current_mapping(module):
+            topo = MappedTopology(rows)
+            module._topo = topo
+            module.num_stages = len(rows)
+            module._grid = PipelineParallelGrid(process_group=module.world_group, topology=topo)
+            changed = True
+    stage = module._topo.get_coord(module.global_rank).pipe
+    if boundaries is not None:
+        parts = [int(b) for b in boundaries]
+        if parts[-1] != module._num_layers:
+            raise ConfigError([f"pdv.placement.boundaries: must end at the layer count {module._num_layers} "
+                               f"(got {parts})"])
+        if len(parts) - 1 != module.num_stages:
+            raise ConfigError([f"pdv.placement.boundaries: describe {len(parts) - 1} stages but the pipeline has "
+                               f"{module.num_stages}"])
+    else:
+        parts = list(module.parts)
+        if len(parts) - 1 != module.num_stages:
+            raise ConfigError(["pdv.placement.boundaries: required when rank_mapping changes the stage count"])
+    if changed or parts != list(module.parts) or stage != module.stage_id:
+        _rebuild(module, parts, stage)
+        changed = True
+    return changed
+
+
+def _rebuild(module: PipelineModule, parts: List[int], stage: int) -> None:
+    """Drop the local layers and build those of `stage` under `parts` (PipelineModule.__init__'s tail)."""
+    for name in [n for n in module._modules if n.isdigit()]:
+        del module._modules[name]
+    module.tied_modules = nn.ModuleDict()
+    module.tied_weight_attrs = {}
+    module.forward_funcs = []
+    module.fwd_map = {}
+    module.is_checkpointable_results = []
+    module.is_checkpointable_results_interval = None
+    module.stage_id = stage
+    module.parts = list(parts)
+    module._set_bounds(start=parts[stage], stop=parts[stage + 1])
+    module._build()
+    module.to(get_accelerator().device_name(module.local_rank))
+    module.tied_comms = module._index_tied_modules()
+    module._synchronize_tied_weights()
+
+
+def resolve_placement(module: PipelineModule, cfg: PDVConfig) -> Optional[Dict[str, Any]]:
+    """Turn `pdv.placement` into (boundaries, rank_mapping) and apply them; returns what was applied."""
+    pl = cfg.placement
+    boundaries, mapping = pl.boundaries, pl.rank_mapping
+    if pl.plan is not None:
+        try:
+            with open(pl.plan, encoding="utf-8") as f:
+                plan = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError([f"pdv.placement.plan: cannot read plan '{pl.plan}': {exc}"]) from exc
+        boundaries, mapping = plan.get("boundaries"), plan.get("rank_mapping")
+        if boundaries is None or mapping is None:
+            raise ConfigError([f"pdv.placement.plan: '{pl.plan}' has no 'boundaries'/'rank_mapping'"])
+    elif pl.cluster is not None:
+        from ..placement.startup import plan_for_module  # planning at start-up (rank 0 plans, broadcasts)
+
+        plan = plan_for_module(module, pl)
+        boundaries, mapping = plan["boundaries"], plan["rank_mapping"]
+    if boundaries is None and mapping is None:
+        return None
+    apply_placement(module, boundaries, mapping)
+    return {"boundaries": list(module.parts), "rank_mapping": current_mapping(module)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The engine
+# ---------------------------------------------------------------------------------------------------
+class GradHook:
+    """Something that sees (and may replace) the gradients around aggregation: faults, the Monitor."""
+
+    def before(self, engine: "PDVPipelineEngine", grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        return grads
+
+    def after(self, engine: "PDVPipelineEngine", grads: List[torch.Tensor]) -> None:
+        return None
+
+
+class PDVPipelineEngine(PipelineEngine):
+    """DeepSpeed's PipelineEngine whose data-parallel gradient reduction is a pluggable Aggregator.
+
+    Each stage aggregates over its own data-parallel group (`self.dp_comm`). With ZeRO stage 1 or the
+    BF16 optimizer DeepSpeed reduces inside its optimizer; there only `mean` is possible and we leave
+    the reduction to DeepSpeed.
+    """
+
+    def __init__(self, *args: Any, pdv_config: Optional[PDVConfig] = None, validation_iter: Any = None,
+                 **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.pdv_config = pdv_config or PDVConfig()
+        self.validation_iter = validation_iter
+        self.grad_hooks: List[GradHook] = []
+        self.dp_comm = TorchComm(self.grid.get_data_parallel_group())
+        self.placement = getattr(self.module, "_pdv_placement", None)
+        self._native_reduce = bool(self.using_bf16_optimizer or self.zero_optimization_stage() > 0)
+        self.set_aggregator(self.pdv_config.aggregation)
+
+    # -- aggregation ------------------------------------------------------------------------------
+    def set_aggregator(self, spec: Any) -> Aggregator:
+        """Switch the aggregator (at a step boundary, on every rank of the stage)."""
+        spec = {"type": spec} if isinstance(spec, str) else spec
+        agg = build_aggregator(spec)
+        given = set(spec) if isinstance(spec, dict) else set(getattr(spec, "options", {}) or {})
+        if agg.name == "mean" and not {"prescale", "predivide_factor"} & given:
+            # follow DeepSpeed's own scaling settings so `mean` stays bit-identical to it
+            agg.options.prescale = not self.postscale_gradients()
+            agg.options.predivide_factor = float(self.gradient_predivide_factor())
+        if self._native_reduce and agg.name != "mean":
+            raise ConfigError([f"pdv.aggregation.type: '{agg.name}' needs DeepSpeed to hand over gradient "
+                               "reduction; ZeRO stage 1 and the BF16 optimizer reduce inside DeepSpeed's "
+                               "optimizer (use 'mean', or turn them off)"])
+        self.aggregator = agg
+        return agg
+
+    def aggregate_gradients(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Run the grad hooks and the aggregator over this stage's data-parallel group."""
+        for hook in self.grad_hooks:
+            grads = hook.before(self, grads)
+        out = self.aggregator(grads, self.dp_comm)
+        for hook in self.grad_hooks:
+            hook.after(self, out)
+        return out
+
+    def _exec_pdv_reduce_grads(self) -> None:
+        if self._native_reduce:
+            return PipelineEngine._exec_reduce_grads(self)
+        self._force_grad_boundary = True
+        if self.pipeline_enable_backward_allreduce:
+            grads, _expert = self._get_gradients_for_reduction()
+            out = self.aggregate_gradients(grads)
+            for g, o in zip(grads, out):
+                if o is not g:
+                    g.copy_(o)
+        self._force_grad_boundary = False
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        schedule.ReduceGrads: _exec_pdv_reduce_grads,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# initialize
+# ---------------------------------------------------------------------------------------------------
+def initialize(args: Any = None,
+               model: Optional[nn.Module] = None,
+               optimizer: Any = None,
+               model_parameters: Any = None,
+               training_data: Any = None,
+               lr_scheduler: Any = None,
+               distributed_port: int = deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT,
+               mpu: Any = None,
+               dist_init_required: Optional[bool] = None,
+               collate_fn: Optional[Callable] = None,
+               config: Any = None,
+               mesh_param: Any = None,
+               config_params: Any = None,
+               *,
+               validation_iter: Any = None):
+    """Drop-in for `deepspeed.initialize` (same arguments, same return value).
+
+    Reads and validates the `"pdv"` section first (before any process group exists, so a bad key fails
+    fast). A `PipelineModule` gets placement applied and a `PDVPipelineEngine`; any other model goes to
+    `deepspeed.initialize` unchanged. `validation_iter` feeds aggregators that score against trusted
+    validation data (Zeno).
+    """
+    if config is None and config_params is not None:
+        config = config_params
+    if config is None and getattr(args, "deepspeed_config", None) is not None:
+        config = args.deepspeed_config
+        args.deepspeed_config = None  # deepspeed refuses both; we hand it the dict
+    if config is None:
+        raise ConfigError(["config: pass config=... or --deepspeed_config (a DeepSpeed JSON with a 'pdv' section)"])
+    ds_config, pdv_cfg = split_config(config)
+    ds_config["pdv"] = pdv_cfg.model_dump(exclude_defaults=True)  # readable from engine._config._param_dict
+
+    if not isinstance(model, PipelineModule):
+        if pdv_cfg.aggregation.type != "mean":
+            raise ConfigError(["pdv.aggregation.type: custom aggregation needs a PipelineModule under "
+                               "DeepSpeed (or pdv_ext.horovod for Horovod)"])
+        return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                    training_data=training_data, lr_scheduler=lr_scheduler,
+                                    distributed_port=distributed_port, mpu=mpu,
+                                    dist_init_required=dist_init_required, collate_fn=collate_fn,
+                                    config=ds_config, mesh_param=mesh_param)
+    if mpu is not None:
+        raise ConfigError(["mpu: must be None with pipeline parallelism (the PipelineModule defines the grid)"])
+
+    deepspeed.comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                                    distributed_port=distributed_port, dist_init_required=dist_init_required)
+    model._pdv_placement = resolve_placement(model, pdv_cfg)
+    config_class = DeepSpeedConfig(ds_config, model.mpu())
+    deepspeed.set_optimizer_flags(config_class, model)
+    engine = PDVPipelineEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                               training_data=training_data, lr_scheduler=lr_scheduler, mpu=model.mpu(),
+                               dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
+                               config_class=config_class, pdv_config=pdv_cfg, validation_iter=validation_iter)
+    engine._configure_python_gc()
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -1,0 +1,179 @@
+"""Small models and data used by the demo, the benchmarks and the tests.
+
+- `gpt_layers`: a GPT-style byte-level language model as a list of LayerSpecs (embedding, transformer
+  blocks, head), trained on CPython's own documentation text (`pydoc_data.topics`, ships with Python).
+- `mlp_layers`: a stack of Linear+ReLU blocks, the cheapest real pipeline model.
+- `digits_data`: scikit-learn's handwritten digits, for classification.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator, List, Tuple
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPT-style byte-level language model
+# ---------------------------------------------------------------------------------------------------
+class Embed(nn.Module):
+    """Token + learned position embedding: (B, T) int64 -> (B, T, H)."""
+
+    def __init__(self, vocab: int, hidden: int, seq_len: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, hidden)
+        self.pos = nn.Parameter(torch.zeros(seq_len, hidden))
+        nn.init.normal_(self.pos, std=0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tok(ids) + self.pos[: ids.shape[1]]
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block with causal self-attention."""
+
+    def __init__(self, hidden: int, heads: int, ffn_mult: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, ffn_mult * hidden)
+        self.fc2 = nn.Linear(ffn_mult * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(h, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, h // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, h))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Head(nn.Module):
+    """Final LayerNorm + projection to byte logits."""
+
+    def __init__(self, hidden: int, vocab: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(hidden)
+        self.out = nn.Linear(hidden, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross-entropy (nats)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def gpt_layers(layers: int = 4, hidden: int = 128, heads: int = 4, seq_len: int = 64, vocab: int = 256) -> list:
+    """LayerSpecs of the byte-level GPT: [Embed, Block x layers, Head]."""
+    from deepspeed.pipe import LayerSpec
+
+    return ([LayerSpec(Embed, vocab, hidden, seq_len)] + [LayerSpec(Block, hidden, heads) for _ in range(layers)]
+            + [LayerSpec(Head, hidden, vocab)])
+
+
+def doc_text() -> bytes:
+    """CPython's documentation topics as one byte string (about 465 KB of English), in a fixed order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+
+
+class ByteWindows:
+    """Random (input, next-byte target) windows from a byte string, seeded and resumable.
+
+    `position` counts the windows handed out so far; a checkpoint saves it, and a resumed stream
+    continues exactly where it stopped.
+    """
+
+    def __init__(self, data: bytes, seq_len: int, micro_batch: int, seed: int = 0):
+        self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        self.seq_len, self.micro_batch, self.seed = seq_len, micro_batch, seed
+        self.position = 0
+
+    def batch(self, index: int, size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        starts = torch.randint(0, len(self.data) - self.seq_len - 1, (size,), generator=g)
+        idx = starts[:, None] + torch.arange(self.seq_len + 1)
+        chunk = self.data[idx]
+        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+    def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        out = self.batch(self.position, self.micro_batch)
+        self.position += 1
+        return out
+
+
+def text_splits(held_out: float = 0.1) -> Tuple[bytes, bytes]:
+    """(train, held-out) byte strings: the last `held_out` fraction of the text is held out."""
+    text = doc_text()
+    cut = int(len(text) * (1 - held_out))
+    return text[:cut], text[cut:]
+
+
+# ---------------------------------------------------------------------------------------------------
+# MLP pipeline (cheap) and digits classification
+# ---------------------------------------------------------------------------------------------------
+def mlp_layers(n: int = 15, hidden: int = 512, d_in: int = 64, d_out: int = 10) -> list:
+    """LayerSpecs: Linear(d_in, hidden), then (n - 2) Linear+ReLU blocks, then Linear(hidden, d_out)."""
+    from deepspeed.pipe import LayerSpec
+
+    return ([LayerSpec(nn.Linear, d_in, hidden)] + [LayerSpec(MLPBlock, hidden) for _ in range(n - 2)]
+            + [LayerSpec(nn.Linear, hidden, d_out)])
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.fc(x))
+
+
+def digits_data(test_fraction: float = 0.25, seed: int = 0):
+    """scikit-learn's 8x8 digits, standardised: (x_train, y_train, x_test, y_test) tensors."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target, dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(len(x), generator=g)
+    n_test = int(len(x) * test_fraction)
+    test, train = perm[:n_test], perm[n_test:]
+    mean, std = x[train].mean(0), x[train].std(0) + 1e-3
+    x = (x - mean) / std
+    return x[train], y[train], x[test], y[test]
+
+
+def synthetic_batches(d_in: int, d_out: int, micro_batch: int, seed: int = 0) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    """An endless, seeded stream of (x, class label) micro-batches from a fixed random teacher."""
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(d_in, d_out, generator=g)
+    while True:
+        x = torch.randn(micro_batch, d_in, generator=g)
+        yield x, (x @ teacher).argmax(-1)
+
+
+def num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))
+
+
+def seed_layer(seed) -> None:
+    """`seed_fn` for PipelineModule(seed_layers=True): per-layer seeds make initial weights independent of
+    the placement (DeepSpeed's own seeding chokes on the numpy ints its partitioner returns)."""
+    torch.manual_seed(int(seed))

@@ -1,0 +1,137 @@
+"""One registry mechanism for every plug-in kind (aggregators, policies, solvers).
+
+A `Registry` maps names to classes (or factories). Names come from three places, in this order of
+precedence: explicit `register(...)` calls (built-ins and user decorators), `importlib.metadata` entry
+points in the registry's group (third-party packages), and `"module:attr"` strings naming an object
+directly (quick user plugins, no packaging needed).
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.metadata
+import threading
+from typing import Any, Callable, Dict, Generic, Iterable, List, Optional, TypeVar
+
+T = TypeVar("T")
+
+
+class RegistryError(KeyError):
+    """An unknown name or a broken plug-in. The message names the kind, the name and the known names."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; we want it plain
+        return str(self.args[0]) if self.args else ""
+
+
+def did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    """A ' (did you mean 'x'?)' suffix when a close candidate exists, else ''."""
+    close = difflib.get_close_matches(str(name), list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def load_object(spec: str) -> Any:
+    """Import `"package.module:attr.sub"` and return the object."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise RegistryError(f"'{spec}' is not of the form 'module:attribute'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RegistryError(f"cannot import module '{module_name}' for '{spec}': {exc}") from exc
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise RegistryError(f"module '{module_name}' has no attribute '{attr}' (from '{spec}')") from exc
+    return obj
+
+
+class Registry(Generic[T]):
+    """Name -> class registry with entry-point discovery.
+
+    >>> AGGREGATORS = Registry("aggregator", "pdv_ext.aggregators")
+    >>> @AGGREGATORS.register("mine")
+    ... class Mine: ...
+    """
+
+    def __init__(self, kind: str, group: Optional[str] = None):
+        self.kind = kind
+        self.group = group
+        self._items: Dict[str, T] = {}
+        self._entry_points: Optional[Dict[str, importlib.metadata.EntryPoint]] = None
+        self._lock = threading.Lock()
+
+    # -- registration -------------------------------------------------------------------------------
+    def register(self, name: Optional[str] = None, obj: Optional[T] = None, *, override: bool = False):
+        """Register `obj` under `name`; without `obj`, return a decorator. Re-registering a different
+        object under a taken name is an error unless `override=True`."""
+
+        def _add(o: T) -> T:
+            key = name or getattr(o, "name", None) or getattr(o, "__name__")
+            with self._lock:
+                old = self._items.get(key)
+                if old is not None and old is not o and not override:
+                    # the same class re-imported (e.g. module reloaded) replaces itself silently
+                    same = (getattr(old, "__module__", None), getattr(old, "__qualname__", None)) == (
+                        getattr(o, "__module__", None), getattr(o, "__qualname__", None))
+                    if not same:
+                        raise RegistryError(f"{self.kind} '{key}' is already registered ({old!r})")
+                self._items[key] = o
+            return o
+
+        if obj is not None:
+            return _add(obj)
+        return _add
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            self._items.pop(name, None)
+
+    # -- discovery ----------------------------------------------------------------------------------
+    def _eps(self) -> Dict[str, importlib.metadata.EntryPoint]:
+        if self._entry_points is None:
+            found: Dict[str, importlib.metadata.EntryPoint] = {}
+            if self.group:
+                for ep in importlib.metadata.entry_points(group=self.group):
+                    found.setdefault(ep.name, ep)
+            self._entry_points = found
+        return self._entry_points
+
+    def refresh(self) -> None:
+        """Forget cached entry points (after installing a plug-in package at run time)."""
+        self._entry_points = None
+
+    def names(self) -> List[str]:
+        """All names a lookup would accept (registered and entry points), sorted."""
+        return sorted(set(self._items) | set(self._eps()))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._items or name in self._eps() or (isinstance(name, str) and ":" in name)
+
+    # -- lookup -------------------------------------------------------------------------------------
+    def get(self, name: str) -> T:
+        """The object for `name`: registered, entry point, or a 'module:attr' spec."""
+        if name in self._items:
+            return self._items[name]
+        ep = self._eps().get(name)
+        if ep is not None:
+            try:
+                obj = ep.load()
+            except Exception as exc:  # a broken plug-in must say which one
+                raise RegistryError(
+                    f"{self.kind} '{name}' (entry point {ep.value} in group {self.group}) failed to load: {exc}"
+                ) from exc
+            self.register(name, obj)
+            return obj
+        if isinstance(name, str) and ":" in name:
+            return load_object(name)
+        known = ", ".join(self.names()) or "none"
+        raise RegistryError(f"unknown {self.kind} '{name}'{did_you_mean(name, self.names())}; known: {known}")
+
+    def build(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Look up `name` and call it (a class: construct it)."""
+        factory: Callable[..., Any] = self.get(name)  # type: ignore[assignment]
+        return factory(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}, group={self.group!r}, names={self.names()})"

@@ -1,0 +1,153 @@
+"""Start N local ranks of a Python function — for tests, benchmarks and tools.
+
+Each rank is a fresh interpreter (`python -m pdv_ext.spawn`) in its own process group with the
+environment a launcher gives (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free port).
+The function's return value comes back pickled. A hard timeout kills every rank's whole process
+group, so nothing is left behind even when a rank hangs in a collective.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from .registry import load_object
+
+
+class RankFailed(RuntimeError):
+    """A rank exited non-zero or the run timed out; the message holds each failing rank's output tail."""
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_env() -> Dict[str, str]:
+    """Environment for CPU ranks: one thread each (ranks share 2 cores), the CPU accelerator, the
+    project's JIT-extension cache."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(root, "build", "torch_extensions")),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def run_ranks(target: str, world_size: int, kwargs: Optional[Dict[str, Any]] = None, timeout: float = 120.0,
+              env: Optional[Dict[str, str]] = None, per_rank_env: Optional[Sequence[Dict[str, str]]] = None,
+              quiet: bool = True) -> List[Any]:
+    """Run `target` ("module:function", called as `fn(**kwargs)`) on `world_size` ranks; return the
+    per-rank results. torch.distributed is *not* initialised for you (DeepSpeed does it; or call
+    `init_torch_distributed()`)."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="pdv-ranks-") as tmp:
+        with open(os.path.join(tmp, "kwargs.pkl"), "wb") as f:
+            pickle.dump(kwargs or {}, f)
+        procs, logs = [], []
+        base = {**os.environ, **default_env(), **(env or {})}
+        try:
+            for r in range(world_size):
+                e = {**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world_size),
+                     "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                     **((per_rank_env or [{}] * world_size)[r])}
+                log = open(os.path.join(tmp, f"rank{r}.log"), "w+b")
+                logs.append(log)
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "pdv_ext.spawn", target, tmp, str(r)], env=e,
+                    stdout=log if quiet else None, stderr=subprocess.STDOUT if quiet else None,
+                    start_new_session=True))
+            deadline = time.monotonic() + timeout
+            failed = None
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() > deadline:
+                    failed = f"timed out after {timeout:.0f}s"
+                    break
+                bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+                if bad:  # one rank died: the others would wait forever in a collective
+                    time.sleep(1.0)
+                    failed = f"rank {bad[0]} exited with {procs[bad[0]].returncode}"
+                    break
+                time.sleep(0.05)
+            if failed is None:
+                bad = [i for i, p in enumerate(procs) if p.returncode != 0]
+                if bad:
+                    failed = f"rank {bad[0]} exited with {procs[bad[0]].returncode}"
+            if failed:
+                raise RankFailed(f"{target} on {world_size} ranks: {failed}\n" + _tails(logs))
+            results = []
+            for r in range(world_size):
+                with open(os.path.join(tmp, f"result{r}.pkl"), "rb") as f:
+                    results.append(pickle.load(f))
+            return results
+        finally:
+            for p in procs:
+                kill_group(p)
+            for log in logs:
+                log.close()
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Kill a process started with start_new_session=True and everything it started."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    try:  # children may outlive the leader
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _tails(logs: List[Any], lines: int = 25) -> str:
+    out = []
+    for r, log in enumerate(logs):
+        log.flush()
+        log.seek(0)
+        text = log.read().decode(errors="replace").splitlines()
+        if text:
+            out.append(f"--- rank {r} (last {lines} lines) ---\n" + "\n".join(text[-lines:]))
+    return "\n".join(out)
+
+
+def init_torch_distributed(backend: Optional[str] = None) -> None:
+    """init_process_group from the launcher environment (gloo on CPU, nccl when CUDA is there)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend=backend)
+
+
+def _worker(target: str, tmp: str, rank: str) -> None:
+    with open(os.path.join(tmp, "kwargs.pkl"), "rb") as f:
+        kwargs = pickle.load(f)
+    result = load_object(target)(**kwargs)
+    with open(os.path.join(tmp, f"result{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # never fail a finished rank on teardown
+        pass
+
+
+if __name__ == "__main__":
+    _worker(*sys.argv[1:4])
