@@ -175,6 +175,7 @@ class PDVPipelineEngine(PipelineEngine):
         self.grad_hooks: List[GradHook] = []
         self.dp_comm = TorchComm(self.grid.get_data_parallel_group())
         self.placement = getattr(self.module, "_pdv_placement", None)
+        self.init_search_report = getattr(self.module, "_pdv_init_search", None)
         self._native_reduce = bool(self.using_bf16_optimizer or self.zero_optimization_stage() > 0)
         self.set_aggregator(self.pdv_config.aggregation)
 
@@ -239,13 +240,15 @@ def initialize(args: Any = None,
                mesh_param: Any = None,
                config_params: Any = None,
                *,
-               validation_iter: Any = None):
+               validation_iter: Any = None,
+               init_search_iter: Any = None):
     """Drop-in for `deepspeed.initialize` (same arguments, same return value).
 
     Reads and validates the `"pdv"` section first (before any process group exists, so a bad key fails
     fast). A `PipelineModule` gets placement applied and a `PDVPipelineEngine`; any other model goes to
     `deepspeed.initialize` unchanged. `validation_iter` feeds aggregators that score against trusted
-    validation data (Zeno).
+    validation data (Zeno). `init_search_iter` yields this rank's (inputs, labels) batches for
+    `pdv.init_search` (the search runs on the whole model before the engine is built).
     """
     if config is None and config_params is not None:
         config = config_params
@@ -258,6 +261,9 @@ def initialize(args: Any = None,
     ds_config["pdv"] = pdv_cfg.model_dump(exclude_defaults=True)  # readable from engine._config._param_dict
 
     if not isinstance(model, PipelineModule):
+        if pdv_cfg.init_search.enabled:
+            raise ConfigError(["pdv.init_search: runs inside initialize for a PipelineModule only; for other models "
+                               "call pdv_ext.init_search.search_init(model, loss_fn, data_iter, comm, cfg) first"])
         if pdv_cfg.aggregation.type != "mean":
             raise ConfigError(["pdv.aggregation.type: custom aggregation needs a PipelineModule under "
                                "DeepSpeed (or pdv_ext.horovod for Horovod)"])
@@ -269,9 +275,15 @@ def initialize(args: Any = None,
     if mpu is not None:
         raise ConfigError(["mpu: must be None with pipeline parallelism (the PipelineModule defines the grid)"])
 
+    if pdv_cfg.init_search.enabled and init_search_iter is None:
+        raise ConfigError(["pdv.init_search: pass init_search_iter=... (this rank's (inputs, labels) batches)"])
     deepspeed.comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                     distributed_port=distributed_port, dist_init_required=dist_init_required)
     model._pdv_placement = resolve_placement(model, pdv_cfg)
+    if pdv_cfg.init_search.enabled:  # before the engine: optimizer and master weights start from the winner
+        from ..init_search import search_pipeline_init
+
+        model._pdv_init_search = search_pipeline_init(model, init_search_iter, pdv_cfg.init_search)
     config_class = DeepSpeedConfig(ds_config, model.mpu())
     deepspeed.set_optimizer_flags(config_class, model)
     engine = PDVPipelineEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
