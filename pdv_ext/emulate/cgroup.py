@@ -1,0 +1,130 @@
+"""CPU quotas per emulated device: cgroup v1 (`cpu.cfs_quota_us`) or v2 (`cpu.max`).
+
+A device's relative speed becomes a share of one core: the fastest device gets `top_share` cores, the
+others proportionally less. Every run gets its own parent group `pdv-<run id>` so removal is exact;
+`remove()` kills whatever still runs inside before deleting the groups.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import List, Optional
+
+V1_ROOT = "/sys/fs/cgroup/cpu"
+V2_ROOT = "/sys/fs/cgroup"
+PERIOD_US = 20000  # short period: smooth throttling, so short measurements already see the quota
+
+
+class CgroupError(RuntimeError):
+    pass
+
+
+def detect() -> Optional[tuple]:
+    """(version, root) of a usable CPU controller, or None."""
+    if os.path.exists(os.path.join(V2_ROOT, "cgroup.controllers")):
+        with open(os.path.join(V2_ROOT, "cgroup.controllers")) as f:
+            if "cpu" in f.read().split():
+                return 2, V2_ROOT
+    if os.path.exists(os.path.join(V1_ROOT, "cpu.cfs_quota_us")):
+        return 1, V1_ROOT
+    return None
+
+
+def shares(speeds: List[float], cpu_budget: float, top_share: Optional[float] = None) -> List[float]:
+    """Cores per device, proportional to speed; the fastest gets `top_share` (default: as much as keeps
+    the sum within `cpu_budget` cores, at most one core — ranks are single-threaded)."""
+    top = max(speeds)
+    rel = [s / top for s in speeds]
+    if top_share is None:
+        top_share = min(1.0, cpu_budget / sum(rel))
+    return [r * top_share for r in rel]
+
+
+class CpuGroups:
+    """One child group per device under `pdv-<run id>`."""
+
+    def __init__(self, run_name: str, cores: List[float], detected: Optional[tuple] = None):
+        det = detected or detect()
+        if det is None:
+            raise CgroupError("no cgroup CPU controller found (looked for cgroup v2 cpu.max and v1 cpu.cfs_quota_us)")
+        self.version, root = det
+        self.parent = os.path.join(root, run_name)
+        self.cores = cores
+        self.paths: List[str] = []
+
+    def create(self) -> None:
+        os.mkdir(self.parent)
+        if self.version == 2:
+            _write(os.path.join(self.parent, "cgroup.subtree_control"), "+cpu")
+        for i, c in enumerate(self.cores):
+            path = os.path.join(self.parent, f"d{i}")
+            os.mkdir(path)
+            self.paths.append(path)
+            quota = max(1000, int(round(c * PERIOD_US)))
+            if self.version == 1:
+                _write(os.path.join(path, "cpu.cfs_period_us"), str(PERIOD_US))
+                _write(os.path.join(path, "cpu.cfs_quota_us"), str(quota))
+            else:
+                _write(os.path.join(path, "cpu.max"), f"{quota} {PERIOD_US}")
+
+    def procs_file(self, i: int) -> str:
+        return os.path.join(self.paths[i], "cgroup.procs")
+
+    def remove(self) -> None:
+        remove_tree(self.parent)
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _pids(path: str) -> List[int]:
+    try:
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            return [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def remove_tree(path: str, timeout: float = 10.0) -> None:
+    """Kill every process in the group tree, then remove the groups bottom-up."""
+    if not os.path.isdir(path):
+        return
+    dirs = [d for d, _, _ in os.walk(path)][::-1]  # children before parents
+    deadline = time.monotonic() + timeout
+    for d in dirs:
+        while True:
+            pids = _pids(d)
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if time.monotonic() > deadline:
+                raise CgroupError(f"processes {pids} in {d} would not die")
+            time.sleep(0.05)
+        while True:
+            try:
+                os.rmdir(d)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:  # a just-killed task may still be exiting
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+
+def stale(prefix: str = "pdv-") -> List[str]:
+    """Groups left by earlier runs (their names start with `prefix`)."""
+    det = detect()
+    if det is None:
+        return []
+    root = det[1]
+    return [os.path.join(root, n) for n in sorted(os.listdir(root))
+            if n.startswith(prefix) and os.path.isdir(os.path.join(root, n))]
+

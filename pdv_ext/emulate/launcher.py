@@ -1,0 +1,192 @@
+"""Run one process per emulated device and remove everything the run made, whatever happens.
+
+`Emulation(spec, command).run()` builds the network (`netns.Network`) and CPU groups (`cgroup.CpuGroups`),
+starts each rank as `ip netns exec <device ns> <command>` inside its CPU group with the environment a
+launcher gives, prefixes each output line with `[rank i]`, and returns the first failing rank's exit code.
+All resources carry the run's unique name `pdv-<id>`, so tear-down (in `finally`) removes exactly them.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import BinaryIO, Dict, List, Optional, Sequence
+
+from ..spawn import default_env, kill_group
+from . import cgroup, netns
+from .spec import EmuSpec
+
+MASTER_PORT = 29500
+TIMEOUT_EXIT = 124
+
+
+class EmulationUnavailable(RuntimeError):
+    """Not root, or no netns / tc / cgroup CPU controller: the caller prints one line and exits 2."""
+
+
+def check_available() -> tuple:
+    """Raise EmulationUnavailable with the reason; returns the detected cgroup (version, root)."""
+    if os.geteuid() != 0:
+        raise EmulationUnavailable("needs root (network namespaces, tc and cgroups); run it as root")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise EmulationUnavailable(f"needs the `{tool}` command (iproute2)")
+    if not os.path.exists("/proc/self/ns/net"):
+        raise EmulationUnavailable("this kernel has no network namespaces")
+    det = cgroup.detect()
+    if det is None:
+        raise EmulationUnavailable("no cgroup CPU controller (cgroup v2 cpu.max or v1 cpu.cfs_quota_us)")
+    return det
+
+
+def new_run_name() -> str:
+    return f"pdv-{secrets.token_hex(3)}"
+
+
+class Emulation:
+    def __init__(self, spec: EmuSpec, command: Sequence[str], timeout: Optional[float] = None,
+                 cpu_budget: Optional[float] = None, top_share: Optional[float] = None,
+                 run_name: Optional[str] = None, env: Optional[Dict[str, str]] = None,
+                 out: Optional[BinaryIO] = None, grace: float = 5.0, log=None):
+        self.spec = spec
+        self.command = list(command)
+        self.timeout = timeout
+        budget = cpu_budget if cpu_budget is not None else 0.8 * (os.cpu_count() or 1)
+        self.cores = cgroup.shares([d.speed for d in spec.devices], budget, top_share)
+        self.name = run_name or new_run_name()
+        self.env = env or {}
+        self.out = out or sys.stdout.buffer
+        self.grace = grace
+        self.log = log or (lambda msg: print(f"pdv emulate: {msg}", file=sys.stderr, flush=True))
+        self.net: Optional[netns.Network] = None
+        self.groups: Optional[cgroup.CpuGroups] = None
+        self.procs: List[subprocess.Popen] = []
+        self._lock = threading.Lock()
+        self.failed_rank: Optional[int] = None
+
+    # -------------------------------------------------------------------------------------------------
+    def rank_env(self, i: int) -> Dict[str, str]:
+        spec = self.spec
+        d = spec.devices[i]
+        return {**os.environ, **default_env(), **self.env,
+                "RANK": str(i), "WORLD_SIZE": str(len(spec.devices)), "LOCAL_RANK": str(spec.local_rank(i)),
+                "LOCAL_WORLD_SIZE": str(spec.local_size(i)), "MASTER_ADDR": netns.device_ip(spec, 0),
+                "MASTER_PORT": str(MASTER_PORT), "PDV_DEVICE_NAME": d.name, "PDV_HOST": d.host,
+                "PDV_DEVICE_CORES": f"{self.cores[i]:.4f}", "PDV_EMULATION": self.name,
+                "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0",
+                "OMP_NUM_THREADS": "1"}
+
+    def setup(self) -> None:
+        self.net = netns.Network(self.spec, self.name)
+        self.net.create()
+        if not self.net.netem:
+            self.log("kernel has no sch_netem: link latencies are not emulated (bandwidths are)")
+        self.groups = cgroup.CpuGroups(self.name, self.cores)
+        self.groups.create()
+
+    def launch(self) -> None:
+        for i in range(len(self.spec.devices)):
+            wrapper = ["sh", "-c", 'echo $$ > "$0" && ns="$1" && shift && exec ip netns exec "$ns" "$@"',
+                       self.groups.procs_file(i), self.net.dev_ns[i], *self.command]
+            p = subprocess.Popen(wrapper, env=self.rank_env(i), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+            self.procs.append(p)
+            threading.Thread(target=self._pump, args=(i, p.stdout), daemon=True).start()
+
+    def _pump(self, i: int, stream) -> None:
+        prefix = f"[rank {i}] ".encode()
+        for line in iter(stream.readline, b""):
+            with self._lock:
+                try:
+                    self.out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+                    self.out.flush()
+                except (ValueError, OSError):
+                    pass
+        stream.close()
+
+    def wait(self) -> int:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        first: Optional[tuple] = None  # (rank, code)
+        while True:
+            codes = [p.poll() for p in self.procs]
+            if first is None:
+                for i, c in enumerate(codes):
+                    if c not in (None, 0):
+                        first = (i, c)
+                        self.log(f"rank {i} exited with {c}; stopping the others in {self.grace:.0f}s")
+                        deadline = min(deadline or float("inf"), time.monotonic() + self.grace)
+                        break
+            if all(c is not None for c in codes):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                if first is None:
+                    self.log(f"timed out after {self.timeout:.0f}s")
+                    return TIMEOUT_EXIT
+                break
+            time.sleep(0.05)
+        if first is None:
+            return 0
+        self.failed_rank = first[0]
+        code = first[1]
+        return 128 - code if code < 0 else code
+
+    def cleanup(self) -> None:
+        """Remove processes, cgroups and namespaces of this run (safe to call more than once)."""
+        errors = []
+        for p in self.procs:
+            kill_group(p)
+        for step in (lambda: self.groups and self.groups.remove(),
+                     lambda: cgroup.remove_tree(os.path.join(cgroup.detect()[1], self.name)) if cgroup.detect() else None,
+                     lambda: netns.Network(self.spec, self.name).destroy()):
+            try:
+                step()
+            except Exception as exc:  # keep going: remove as much as possible
+                errors.append(str(exc))
+        time.sleep(0.05)
+        if errors:
+            self.log("cleanup problems: " + "; ".join(errors))
+
+    def run(self) -> int:
+        """Set up, run the ranks, tear down. SIGTERM/SIGHUP become SystemExit, SIGINT KeyboardInterrupt;
+        both pass through the `finally` that removes everything."""
+        old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                old[sig] = signal.signal(sig, _raise_exit)
+        try:
+            self.setup()
+            self.launch()
+            return self.wait()
+        finally:
+            if old:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop the clean-up
+                for sig in old:
+                    signal.signal(sig, signal.SIG_IGN)
+            try:
+                self.cleanup()
+            finally:
+                if old:
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                    for sig, h in old.items():
+                        signal.signal(sig, h)
+
+
+def _raise_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def cleanup_stale(log=print) -> int:
+    """Remove namespaces and cgroups of earlier runs (named `pdv-<6 hex>-...`). Returns how many."""
+    names = netns.stale_namespaces()
+    netns.remove_namespaces(names)
+    groups = [g for g in cgroup.stale() if netns.STALE_RE.match(os.path.basename(g) + "-")]
+    for g in groups:
+        cgroup.remove_tree(g)
+    for item in names + groups:
+        log(f"removed {item}")
+    return len(names) + len(groups)

@@ -1,0 +1,174 @@
+"""The emulated network: namespaces, veth pairs, bridges and `tc` limits, all named after one run.
+
+Layout for a run named `pdv-<id>` (nothing is created in the root namespace):
+
+    pdv-<id>-sw        core switch: bridge br0, one port `h<k>` per host
+    pdv-<id>-h<k>      host k: bridge br0 (the host's internal fabric) + uplink `up0` to the core switch
+    pdv-<id>-d<i>      device i: `eth0` (address 10.251.<k>.<j+1>/16) plugged into its host's bridge
+
+Each device sits in its own namespace behind its host's bridge, so intra-host traffic is a real link that
+tc can shape per pair. Limits follow the cluster's links:
+- device egress (`eth0`): an htb class per destination device at that pair's bandwidth (intra-host or
+  inter-host, including per-pair overrides), with netem delay = the pair's one-way latency where the kernel
+  has sch_netem;
+- host uplink egress (`up0`): an htb class per destination host at the host pair's bandwidth, so devices of
+  one host that talk to another host at the same time share the inter-host link (contention).
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+from typing import List, Optional
+
+from .spec import EmuSpec
+
+SUBNET = "10.251"
+MTU = 9000
+STALE_RE = re.compile(r"^pdv-[0-9a-f]{6}-")
+
+
+class NetError(RuntimeError):
+    pass
+
+
+def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run(list(args), capture_output=True, text=True)
+    if check and p.returncode != 0:
+        raise NetError(f"`{' '.join(args)}` failed: {(p.stderr or p.stdout).strip()}")
+    return p
+
+
+def device_ip(spec: EmuSpec, i: int) -> str:
+    return f"{SUBNET}.{spec.host_index(i)}.{spec.local_rank(i) + 1}"
+
+
+def list_netns() -> List[str]:
+    p = run("ip", "netns", "list", check=False)
+    return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
+
+
+def ns_pids(ns: str) -> List[int]:
+    p = run("ip", "netns", "pids", ns, check=False)
+    return [int(x) for x in p.stdout.split() if x.isdigit()]
+
+
+def _rate(bytes_per_s: float) -> str:
+    return f"{max(8000, int(bytes_per_s * 8))}bit"
+
+
+def _burst(bytes_per_s: float) -> str:
+    # two GSO super-packets at least, else ~2 ms of traffic: bounded error on short transfers
+    return f"{max(2 * 65536, int(bytes_per_s * 0.002))}b"
+
+
+class Network:
+    """Builds and removes the namespaces of one run."""
+
+    def __init__(self, spec: EmuSpec, run_name: str, netem: Optional[bool] = None):
+        self.spec = spec
+        self.name = run_name
+        self.sw = f"{run_name}-sw"
+        self.host_ns = [f"{run_name}-h{k}" for k in range(len(spec.hosts))]
+        self.dev_ns = [f"{run_name}-d{i}" for i in range(len(spec.devices))]
+        self.created: List[str] = []
+        self._netem = netem
+
+    # -- set-up ---------------------------------------------------------------------------------------
+    def _add_ns(self, ns: str) -> None:
+        run("ip", "netns", "add", ns)
+        self.created.append(ns)
+        run("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def create(self) -> None:
+        spec = self.spec
+        self._add_ns(self.sw)
+        run("ip", "-n", self.sw, "link", "add", "br0", "mtu", str(MTU), "type", "bridge")
+        run("ip", "-n", self.sw, "link", "set", "br0", "up")
+        if self._netem is None:
+            self._netem = run("tc", "-n", self.sw, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms",
+                              check=False).returncode == 0
+            run("tc", "-n", self.sw, "qdisc", "del", "dev", "lo", "root", check=False)
+        for k, hns in enumerate(self.host_ns):
+            self._add_ns(hns)
+            run("ip", "-n", hns, "link", "add", "br0", "mtu", str(MTU), "type", "bridge")
+            run("ip", "-n", hns, "link", "add", "up0", "mtu", str(MTU), "type", "veth", "peer", "name", f"h{k}",
+                "netns", self.sw)
+            run("ip", "-n", hns, "link", "set", "up0", "master", "br0")
+            run("ip", "-n", self.sw, "link", "set", f"h{k}", "mtu", str(MTU), "master", "br0", "up")
+            run("ip", "-n", hns, "link", "set", "up0", "up")
+            run("ip", "-n", hns, "link", "set", "br0", "up")
+        for i, dns in enumerate(self.dev_ns):
+            hns = self.host_ns[spec.host_index(i)]
+            self._add_ns(dns)
+            run("ip", "-n", dns, "link", "add", "eth0", "mtu", str(MTU), "type", "veth", "peer", "name", f"d{i}",
+                "netns", hns)
+            run("ip", "-n", hns, "link", "set", f"d{i}", "mtu", str(MTU), "master", "br0", "up")
+            run("ip", "-n", dns, "addr", "add", f"{device_ip(spec, i)}/16", "dev", "eth0")
+            run("ip", "-n", dns, "link", "set", "eth0", "up")
+        for i in range(len(spec.devices)):
+            self._shape_device(i)
+        for k in range(len(spec.hosts)):
+            self._shape_uplink(k)
+
+    @property
+    def netem(self) -> bool:
+        return bool(self._netem)
+
+    def _htb_root(self, ns: str, dev: str) -> None:
+        run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "0")
+
+    def _htb_class(self, ns: str, dev: str, minor: int, bytes_per_s: float, delay_s: float, match: str) -> None:
+        cid = f"1:{minor:x}"
+        run("tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", cid, "htb", "rate",
+            _rate(bytes_per_s), "ceil", _rate(bytes_per_s), "burst", _burst(bytes_per_s), "cburst",
+            _burst(bytes_per_s), "quantum", "65536")
+        if self.netem and delay_s > 0:
+            run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", cid, "netem", "delay",
+                f"{delay_s * 1e6:.0f}us", "limit", "100000")
+        else:
+            run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", cid, "pfifo", "limit", "1000")
+        run("tc", "-n", ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+            "match", "ip", "dst", match, "flowid", cid)
+
+    def _shape_device(self, i: int) -> None:
+        ns = self.dev_ns[i]
+        self._htb_root(ns, "eth0")
+        for j in range(len(self.spec.devices)):
+            if j != i:
+                self._htb_class(ns, "eth0", 16 + j, self.spec.bandwidth[i][j], self.spec.latency[i][j],
+                                f"{device_ip(self.spec, j)}/32")
+
+    def _shape_uplink(self, k: int) -> None:
+        spec, ns = self.spec, self.host_ns[k]
+        mine = [i for i in range(len(spec.devices)) if spec.host_index(i) == k]
+        others = [q for q in range(len(spec.hosts)) if q != k]
+        if not others:
+            return
+        self._htb_root(ns, "up0")
+        for q in others:
+            theirs = [j for j in range(len(spec.devices)) if spec.host_index(j) == q]
+            bw = max(spec.bandwidth[i][j] for i in mine for j in theirs)
+            self._htb_class(ns, "up0", 16 + q, bw, 0.0, f"{SUBNET}.{q}.0/24")
+
+    # -- tear-down ------------------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Delete every namespace of this run (their veths, bridges and qdiscs go with them)."""
+        remove_namespaces([ns for ns in list_netns() if ns.startswith(self.name + "-")])
+        self.created = []
+
+
+def remove_namespaces(names: List[str]) -> None:
+    import os
+    import signal
+
+    for ns in sorted(names, key=lambda n: (n.endswith("-sw"), "-h" in n)):  # devices, hosts, switch
+        for pid in ns_pids(ns):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        run("ip", "netns", "del", ns, check=False)
+
+
+def stale_namespaces() -> List[str]:
+    return [ns for ns in list_netns() if STALE_RE.match(ns)]

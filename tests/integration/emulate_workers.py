@@ -1,0 +1,111 @@
+"""Rank-side programs run under `pdv emulate` by the emulator tests (plain sockets: starts in milliseconds).
+
+    python emulate_workers.py env          print this rank's launcher environment as JSON
+    python emulate_workers.py bw MB        rank 0 sends MB megabytes to every other rank in turn; each
+                                           receiver prints the measured bandwidth (bytes/s) as JSON
+    python emulate_workers.py fail RANK C  rank RANK exits with code C, the others sleep
+    python emulate_workers.py sleep S      every rank sleeps S seconds
+"""
+import json
+import os
+import socket
+import sys
+import time
+
+KEYS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PDV_DEVICE_NAME",
+        "PDV_HOST", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS"]
+
+
+def _addr(iface: str) -> str:
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", iface.encode()[:15]))  # SIOCGIFADDR
+    return socket.inet_ntoa(packed[20:24])
+
+
+def env() -> None:
+    out = {k: os.environ.get(k) for k in KEYS}
+    out["ADDR"] = _addr(os.environ["GLOO_SOCKET_IFNAME"])
+    print(json.dumps(out), flush=True)
+
+
+def _recv_exact(conn: socket.socket, n: int) -> None:
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    while n > 0:
+        got = conn.recv_into(view[: min(n, len(buf))])
+        if not got:
+            raise ConnectionError("peer closed")
+        n -= got
+
+
+def bw(mb: float) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    port = int(os.environ["MASTER_PORT"]) + 1
+    nbytes = int(mb * 1e6)
+    if rank == 0:
+        srv = socket.socket()
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind((os.environ["MASTER_ADDR"], port))
+        srv.listen(world)
+        conns = {}
+        while len(conns) < world - 1:
+            c, _ = srv.accept()
+            conns[int(_recv_line(c))] = c
+        payload = b"\0" * (1 << 20)
+        for peer in sorted(conns):
+            c = conns[peer]
+            c.sendall(b"go\n")
+            _recv_line(c)  # peer is ready
+            left = nbytes
+            while left > 0:
+                left -= c.send(payload[: min(left, len(payload))])
+            _recv_line(c)  # peer has everything
+            c.close()
+        srv.close()
+    else:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                c = socket.create_connection((os.environ["MASTER_ADDR"], port), timeout=60)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        c.sendall(f"{rank}\n".encode())
+        _recv_line(c)
+        c.sendall(b"ready\n")
+        t0 = time.perf_counter()
+        _recv_exact(c, nbytes)
+        dt = time.perf_counter() - t0
+        c.sendall(b"done\n")
+        c.close()
+        print(json.dumps({"rank": rank, "bw_from_0": nbytes / dt}), flush=True)
+
+
+def _recv_line(c: socket.socket) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        ch = c.recv(1)
+        if not ch:
+            raise ConnectionError("peer closed")
+        data += ch
+    return data.decode().strip()
+
+
+if __name__ == "__main__":
+    what = sys.argv[1]
+    if what == "env":
+        env()
+    elif what == "bw":
+        bw(float(sys.argv[2]))
+    elif what == "fail":
+        if os.environ["RANK"] == sys.argv[2]:
+            time.sleep(0.5)
+            sys.exit(int(sys.argv[3]))
+        time.sleep(600)
+    elif what == "sleep":
+        time.sleep(float(sys.argv[2]))
