@@ -41,6 +41,13 @@ def shares(speeds: List[float], cpu_budget: float, top_share: Optional[float] = 
     return [r * top_share for r in rel]
 
 
+def weight(cores: float, version: int) -> int:
+    """CFS weight for a group allowed `cores`: one core weighs like 16 busy ordinary processes, so quotas, not contention, set the speeds."""
+    if version == 1:
+        return max(2, int(16384 * cores))  # cpu.shares, default 1024 per process
+    return max(1, min(10000, int(1600 * cores)))  # cpu.weight, default 100
+
+
 class CpuGroups:
     """One child group per device under `pdv-<run id>`."""
 
@@ -55,8 +62,14 @@ class CpuGroups:
 
     def create(self) -> None:
         os.mkdir(self.parent)
+        # Weights as well as ceilings: on a busy machine the quota alone is not reached and every group
+        # would get the same share; weights proportional to speed keep the ratios under contention.
+        weights = [weight(c, self.version) for c in self.cores]
         if self.version == 2:
             _write(os.path.join(self.parent, "cgroup.subtree_control"), "+cpu")
+            _write(os.path.join(self.parent, "cpu.weight"), str(min(10000, sum(weights))))
+        else:
+            _write(os.path.join(self.parent, "cpu.shares"), str(sum(weights)))
         for i, c in enumerate(self.cores):
             path = os.path.join(self.parent, f"d{i}")
             os.mkdir(path)
@@ -65,8 +78,10 @@ class CpuGroups:
             if self.version == 1:
                 _write(os.path.join(path, "cpu.cfs_period_us"), str(PERIOD_US))
                 _write(os.path.join(path, "cpu.cfs_quota_us"), str(quota))
+                _write(os.path.join(path, "cpu.shares"), str(weights[i]))
             else:
                 _write(os.path.join(path, "cpu.max"), f"{quota} {PERIOD_US}")
+                _write(os.path.join(path, "cpu.weight"), str(weights[i]))
 
     def procs_file(self, i: int) -> str:
         return os.path.join(self.paths[i], "cgroup.procs")
