@@ -178,6 +178,9 @@ class PDVPipelineEngine(PipelineEngine):
         self.init_search_report = getattr(self.module, "_pdv_init_search", None)
         self._native_reduce = bool(self.using_bf16_optimizer or self.zero_optimization_stage() > 0)
         self.set_aggregator(self.pdv_config.aggregation)
+        from ..aggregation.faults import install_fault_hooks  # pdv.faults + the NaN/Inf guard
+
+        install_fault_hooks(self)
 
     # -- aggregation ------------------------------------------------------------------------------
     def set_aggregator(self, spec: Any) -> Aggregator:
@@ -198,6 +201,10 @@ class PDVPipelineEngine(PipelineEngine):
 
     def aggregate_gradients(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         """Run the grad hooks and the aggregator over this stage's data-parallel group."""
+        if self.aggregator.needs_validation:  # Zeno: one validation micro-batch through the pipeline
+            from ..aggregation.validation import refresh_validation
+
+            refresh_validation(self)
         for hook in self.grad_hooks:
             grads = hook.before(self, grads)
         out = self.aggregator(grads, self.dp_comm)

@@ -1,0 +1,173 @@
+"""`gossip`: sparse, compressed gossip instead of an all-reduce (CHOCO-SGD-style error feedback).
+
+Each step:
+1. every rank derives the same random peer graph from (seed, step): the ranks sit on a seeded random ring
+   and each talks to its `peers` nearest ring neighbours (plus one random matching when `peers` is odd);
+   mixing weights are Metropolis-Hastings, 1/(1 + max(deg_i, deg_j)), symmetric and doubly stochastic;
+2. a rank adds its gradient to the part of its past updates not yet shared (the error-feedback buffer),
+   sends the `ratio` largest entries of that sum to its peers (`comm.exchange`, values + indices) and
+   keeps the rest for later;
+3. it applies  w_ii c_i + sum_j w_ij c_j  of the messages c. Because the weights are doubly stochastic the
+   group's average update equals the average of what was sent: nothing is lost, only delayed.
+Every `sync_every` steps an exact all-reduce moves every replica to the group's average cumulative update
+(sent + still buffered), so replicas differ only between syncs. `report["consensus_distance"]` is the RMS
+distance of the replicas' cumulative updates from their average, estimated from a 64-bucket count sketch
+(one all-reduce of 65 floats).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional
+
+import torch
+from pydantic import Field
+
+from .. import kernels
+from ..comm.base import Comm
+from ..config_base import ConfigError, StrictModel
+from .base import Aggregator, register_aggregator
+from .robust import flat_dtype, flatten_as, write_back
+
+SKETCH = 64
+
+
+def peer_graph(size: int, peers: int, seed: int, step: int) -> List[List[int]]:
+    """Neighbour lists of the step's random peer graph (identical on every rank)."""
+    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(step))
+    ring = torch.randperm(size, generator=g).tolist()
+    pos = {r: i for i, r in enumerate(ring)}
+    nbrs = [set() for _ in range(size)]
+    for r in range(size):
+        for d in range(1, peers // 2 + 1):
+            for other in (ring[(pos[r] + d) % size], ring[(pos[r] - d) % size]):
+                if other != r:
+                    nbrs[r].add(other)
+    if peers % 2:
+        if size % 2 == 0:  # the opposite point of the ring: a perfect matching
+            for r in range(size):
+                nbrs[r].add(ring[(pos[r] + size // 2) % size])
+        else:  # a random matching of size - 1 ranks (one rank keeps one peer fewer)
+            order = torch.randperm(size, generator=g).tolist()[: size - 1]
+            for a, b in zip(order[0::2], order[1::2]):
+                nbrs[a].add(b)
+                nbrs[b].add(a)
+    return [sorted(n - {r}) for r, n in enumerate(nbrs)]
+
+
+@register_aggregator("gossip")
+class Gossip(Aggregator):
+    """Top-k gossip with error feedback; replicas drift between exact syncs by design."""
+
+    #: replicas apply different updates (the non-finite guard must agree before aggregating)
+    replicas_identical = False
+
+    class Options(StrictModel):
+        #: peers each rank exchanges with per step (must be smaller than the data-parallel group)
+        peers: int = Field(2, ge=1)
+        #: fraction of entries sent per step, in (0, 1]; 1 sends the whole not-yet-shared update
+        ratio: float = Field(0.01, gt=0, le=1)
+        #: exact all-reduce every this many steps (0 = never)
+        sync_every: int = Field(0, ge=0)
+        #: seed of the peer schedule (identical on every rank)
+        seed: int = 0
+
+    def __init__(self, options=None, **kw):
+        super().__init__(options, **kw)
+        self.residual: Optional[torch.Tensor] = None  # not-yet-shared part of this rank's updates
+        self.applied: Optional[torch.Tensor] = None   # cumulative update applied by this rank
+        self._sketch: Optional[Dict[str, torch.Tensor]] = None
+
+    def set_peers(self, peers: int) -> None:
+        """Change the peer count (policy action SetGossipPeers); takes effect at the next step."""
+        self.options.peers = int(peers)
+
+    def check(self, comm: Comm) -> None:
+        if self.options.peers >= comm.size:
+            raise ConfigError([f"pdv.aggregation.peers: {self.options.peers} peers need a data-parallel group of "
+                               f"at least {self.options.peers + 1} ranks; this group has {comm.size}"])
+
+    def aggregate(self, grads: List[torch.Tensor], comm: Comm) -> List[torch.Tensor]:
+        self.check(comm)
+        opt = self.options
+        g = flatten_as(grads, flat_dtype(grads))
+        n = g.numel()
+        if self.residual is None or self.residual.numel() != n:
+            self.residual = torch.zeros_like(g)
+            self.applied = torch.zeros_like(g)
+        self.residual = self.residual.to(g.dtype)
+        self.applied = self.applied.to(g.dtype)
+        synced = opt.sync_every > 0 and (self.step + 1) % opt.sync_every == 0
+        if synced:
+            target = self.applied + self.residual + g
+            comm.all_reduce(target, "avg")
+            out = target - self.applied
+            self.residual.zero_()
+            peers: List[int] = []
+        else:
+            out, peers = self._gossip(g, comm)
+        self.applied += out
+        self.report = {"consensus_distance": self._consensus_distance(comm), "peers": peers, "synced": synced}
+        return write_back(out, grads)
+
+    def _gossip(self, g: torch.Tensor, comm: Comm):
+        opt, n, me = self.options, g.numel(), comm.rank
+        nbrs = peer_graph(comm.size, opt.peers, opt.seed, self.step)
+        k = n if opt.ratio >= 1 else max(1, min(n, math.ceil(opt.ratio * n)))
+        idx, vals = kernels.topk_error_feedback(g, self.residual, k)
+        if k == n:
+            msg = torch.zeros_like(g)
+            msg[idx] = vals
+        else:  # values and bit-cast indices in one message
+            itype = torch.int32 if g.element_size() == 4 else torch.int64
+            msg = torch.cat([vals.to(g.dtype), idx.to(itype).view(g.dtype)])
+        recvs = {p: torch.empty_like(msg) for p in nbrs[me]}
+        comm.exchange({p: msg for p in nbrs[me]}, recvs)
+        deg = [len(x) for x in nbrs]
+        out = torch.zeros_like(g)
+        self_w = 1.0
+        for p, buf in recvs.items():
+            w = 1.0 / (1 + max(deg[me], deg[p]))
+            self_w -= w
+            self._add(out, buf, w, k, n, g.dtype)
+        self._add(out, msg, self_w, k, n, g.dtype)
+        return out, nbrs[me]
+
+    @staticmethod
+    def _add(out: torch.Tensor, msg: torch.Tensor, w: float, k: int, n: int, dtype: torch.dtype) -> None:
+        if k == n:
+            out.add_(msg, alpha=w)
+            return
+        itype = torch.int32 if msg.element_size() == 4 else torch.int64
+        vals, idx = msg[:k], msg[k:].view(itype).long()
+        out.index_add_(0, idx, vals, alpha=w)
+
+    def _consensus_distance(self, comm: Comm) -> float:
+        """sqrt(mean_i |u_i - mean u|^2) of the cumulative updates u, from a count sketch of each."""
+        u = self.applied
+        n = u.numel()
+        if comm.size == 1 or n == 0:
+            return 0.0
+        if self._sketch is None or self._sketch["bucket"].numel() != n:
+            gen = torch.Generator().manual_seed(12345)
+            self._sketch = {"bucket": torch.randint(0, SKETCH, (n,), generator=gen),
+                            "sign": torch.randint(0, 2, (n,), generator=gen).double() * 2 - 1}
+        sk = torch.zeros(SKETCH + 1, dtype=torch.float64)
+        sk[:SKETCH].index_add_(0, self._sketch["bucket"], self._sketch["sign"] * u.double())
+        sk[SKETCH] = sk[:SKETCH].pow(2).sum()
+        comm.all_reduce(sk, "sum")
+        m = comm.size
+        mean_sq = sk[:SKETCH].div(m).pow(2).sum()
+        return float(max(0.0, float(sk[SKETCH] / m - mean_sq)) ** 0.5)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {**super().state_dict(), "residual": self.residual, "applied": self.applied,
+                "peers": self.options.peers, "seed": self.options.seed}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.residual = state.get("residual")
+        self.applied = state.get("applied")
+        if "peers" in state:
+            self.options.peers = int(state["peers"])
+        if "seed" in state:
+            self.options.seed = int(state["seed"])
