@@ -181,6 +181,9 @@ class PDVPipelineEngine(PipelineEngine):
         from ..aggregation.faults import install_fault_hooks  # pdv.faults + the NaN/Inf guard
 
         install_fault_hooks(self)
+        from ..policy.engine import build_glue  # pdv.policy: Monitor + PolicyRunner (None when unused)
+
+        self.pdv_policy = build_glue(self)
 
     # -- aggregation ------------------------------------------------------------------------------
     def set_aggregator(self, spec: Any) -> Aggregator:
@@ -223,6 +226,32 @@ class PDVPipelineEngine(PipelineEngine):
                 if o is not g:
                     g.copy_(o)
         self._force_grad_boundary = False
+
+    # -- policies and checkpoints (the logic lives in pdv_ext.policy.engine) -------------------------
+    def train_batch(self, data_iter: Any = None) -> Any:
+        from ..policy.engine import begin_step
+
+        glue = begin_step(self, data_iter)
+        loss = super().train_batch(data_iter=data_iter)
+        if glue is not None:  # metrics, then the policies' actions, at this step boundary on every rank
+            glue.end(loss)
+        return loss
+
+    def save_checkpoint(self, save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """DeepSpeed's checkpoint plus pdv's state (aggregator, batch size, policies, data position)."""
+        from ..policy.engine import save_state
+
+        out = super().save_checkpoint(save_dir, tag, *args, **kwargs)
+        save_state(self, save_dir, tag)
+        return out
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        from ..policy.engine import load_state
+
+        out = super().load_checkpoint(load_dir, tag, *args, **kwargs)
+        if out[0] is not None:
+            load_state(self, load_dir, tag)
+        return out
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,

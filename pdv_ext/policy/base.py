@@ -1,0 +1,168 @@
+"""The Policy protocol, the Actions a policy may return, and the policy registry.
+
+A policy only *decides*: `after_step(metrics)` looks at the step's metrics (identical on every rank) and
+returns Actions. The PolicyRunner — not the policy — makes every rank agree (rank 0 decides, broadcasts)
+and applies the actions at the same step boundary. Policies must be picklable-state objects: whatever
+`state_dict()` returns is saved in checkpoints.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Dict, List, Literal, Optional, Type, Union
+
+from ..config_base import StrictModel
+from ..registry import Registry
+
+POLICIES: Registry = Registry("policy", "pdv_ext.policies")
+
+LRRule = Literal["none", "linear", "sqrt", "adascale"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Actions: small, picklable records (they travel from rank 0 to every rank)
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Action:
+    """Base of all actions. `source` is filled by the runner with the deciding policy's name."""
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"action": type(self).__name__, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class SetBatchSize(Action):
+    """Change micro-batches per step (gradient accumulation) and/or the micro-batch size.
+
+    `lr_rule` scales the LR by the batch ratio: `linear` (r), `sqrt` (sqrt r), `adascale` (the AdaScale
+    gain from the current noise-scale estimate), `none`; None = the config's `pdv.policy.lr_scaling`.
+    """
+
+    micro_batches: Optional[int] = None
+    micro_batch_size: Optional[int] = None
+    lr_rule: Optional[LRRule] = None
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class SetLearningRate(Action):
+    """Set the LR (`lr`, absolute, all param groups) or multiply it (`scale`). With an LR scheduler the
+    scheduler keeps setting the base LR; `scale` survives that, `lr` resets the scale to 1."""
+
+    lr: Optional[float] = None
+    scale: Optional[float] = None
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class SetAggregator(Action):
+    """Switch the data-parallel aggregator, e.g. `{"type": "gossip", "peers": 1}`."""
+
+    spec: Union[str, Dict[str, Any]] = "mean"
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class SetGossipPeers(Action):
+    """Change the gossip aggregator's peer count k (`aggregator.set_peers(k)`)."""
+
+    peers: int = 1
+    source: str = ""
+
+
+ACTIONS: Dict[str, Type[Action]] = {c.__name__: c for c in (SetBatchSize, SetLearningRate, SetAggregator,
+                                                               SetGossipPeers)}
+
+
+def action_from_dict(d: Dict[str, Any]) -> Action:
+    d = dict(d)
+    return ACTIONS[d.pop("action")](**d)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Policies
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class TrainContext:
+    """What a policy learns at the start: the batch geometry and the world. `applier` is the object the
+    runner applies actions to (the engine adapter); policies should not call it directly."""
+
+    world_size: int
+    dp_size: int
+    micro_batch_size: int
+    micro_batches: int
+    lr: float
+    step: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return self.micro_batch_size * self.micro_batches * self.dp_size
+
+
+class Policy:
+    """Base class of policies. Subclass, set `name` and an `Options` model, override the hooks.
+
+    `after_step(metrics)` gets a dict (keys in docs/policy.md: step, batch_size, micro_batches,
+    micro_batch_size, loss, lr, step_time, step_times, compute_times, samples_per_s, gns, ...) and
+    returns a list of Actions (empty: no change). Runs on rank 0 only; must not communicate.
+    """
+
+    name: ClassVar[str] = "policy"
+
+    class Options(StrictModel):
+        pass
+
+    def __init__(self, options: Optional[Union[Dict[str, Any], StrictModel]] = None, **kwargs: Any):
+        if isinstance(options, StrictModel):
+            options = options.model_dump()
+        self.options = self.Options.model_validate({**(options or {}), **kwargs})
+
+    def on_train_begin(self, ctx: TrainContext) -> None:
+        """Called once on every rank before the first step (or after a resume)."""
+
+    def after_step(self, metrics: Dict[str, Any]) -> List[Action]:
+        return []
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pass
+
+    @classmethod
+    def aggregators_named(cls, options: StrictModel) -> List[tuple]:
+        """(option key, aggregator name) pairs this policy may switch to — checked by `pdv check-config`."""
+        return []
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.options.model_dump()})"
+
+
+def register_policy(name: Optional[str] = None):
+    """Class decorator: make a Policy usable as `{"name": name}` in `pdv.policy.plugins`."""
+
+    def deco(cls: Type[Policy]) -> Type[Policy]:
+        key = name or cls.name
+        cls.name = key
+        POLICIES.register(key, cls)
+        return cls
+
+    return deco
+
+
+def build_policy(spec: Union[str, Dict[str, Any], Policy]) -> Policy:
+    """A Policy from `{"name": ..., **options}`, a name, or an instance."""
+    if isinstance(spec, Policy):
+        return spec
+    spec = {"name": spec} if isinstance(spec, str) else dict(spec)
+    name = spec.pop("name")
+    _load_builtins()
+    cls = POLICIES.get(name)
+    pol = cls(spec) if isinstance(cls, type) and issubclass(cls, Policy) else cls(**spec)
+    if not getattr(pol, "plugin_name", None):
+        pol.plugin_name = name  # the name the user wrote: used in error reports
+    return pol
+
+
+def _load_builtins() -> None:
+    from . import builtin  # noqa: F401  (registers gns_batch_size, straggler_topology, schedule)

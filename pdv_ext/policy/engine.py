@@ -1,0 +1,232 @@
+"""Glue between the policy layer and DeepSpeed's pipeline engine (PDVPipelineEngine calls only this).
+
+- `EngineApplier`: how actions change a live PipelineEngine (PLATFORM.md: `set_train_batch_size` for the
+  micro-batches per step; a new micro-batch size also needs the config value, `engine.micro_batch_size`
+  and `reset_activation_shape()` on every rank — and the data iterator re-based, see policy/data.py).
+- `PolicyGlue`: builds the Monitor (grad hook + forward/backward timing) and the PolicyRunner from
+  `pdv.policy`, and runs them around each `train_batch`.
+- `save_state` / `load_state`: the pdv part of a DeepSpeed checkpoint (one small file per rank in the
+  checkpoint's tag directory): aggregator and its state, batch size, policy + monitor state, data position.
+"""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..comm import TorchComm
+from .base import build_policy
+from .config import PolicyConfig
+from .metrics import Monitor
+from .runner import PolicyRunner
+
+
+class EngineApplier:
+    """Applies actions to a PipelineEngine (the runner calls it on every rank at a step boundary)."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.num_stages = int(engine.num_stages)
+
+    def batch_geometry(self) -> Tuple[int, int, int]:
+        e = self.engine
+        return int(e.train_micro_batch_size_per_gpu()), int(e.micro_batches), int(e.grid.get_data_parallel_world_size())
+
+    def set_batch_size(self, micro_batches: int, micro_batch_size: int) -> None:
+        e = self.engine
+        if micro_batch_size != e.train_micro_batch_size_per_gpu():
+            it = e.data_iterator
+            if hasattr(it, "set_micro_batch_size"):
+                it.set_micro_batch_size(micro_batch_size)
+            elif it is not None:
+                warnings.warn("the micro-batch size changed but the data iterator cannot follow: use "
+                              "pdv_ext.policy.data.ElasticBatches so that no sample is lost or repeated")
+            e.set_train_micro_batch_size(micro_batch_size)
+            e.micro_batch_size = micro_batch_size
+            e.reset_activation_shape()
+        e.set_train_batch_size(micro_batch_size * micro_batches * e.grid.get_data_parallel_world_size())
+
+    def get_lr(self) -> List[float]:
+        return [float(g["lr"]) for g in self.engine.optimizer.param_groups]
+
+    def set_lr(self, lrs: Sequence[float]) -> None:
+        for g, lr in zip(self.engine.optimizer.param_groups, lrs):
+            g["lr"] = lr
+
+    def set_aggregator(self, spec: Any) -> None:
+        self.engine.set_aggregator(spec)
+
+    def set_gossip_peers(self, peers: int) -> None:
+        agg = self.engine.aggregator
+        if not hasattr(agg, "set_peers"):
+            raise ValueError(f"SetGossipPeers: the aggregator '{agg.name}' has no peers (switch to gossip first)")
+        agg.set_peers(peers)
+
+
+class _MonitorHook:
+    """GradHook: |g|² of the local gradients before aggregation and of the aggregated ones after."""
+
+    def __init__(self, monitor: Monitor):
+        self.monitor = monitor
+
+    def before(self, engine: Any, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        self.monitor.add_local_grads(grads)
+        return grads
+
+    def after(self, engine: Any, grads: List[torch.Tensor]) -> None:
+        self.monitor.add_aggregated_grads(grads)
+
+
+def _timed(fn: Any, monitor: Monitor) -> Any:
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            monitor.add_compute(time.perf_counter() - t)
+
+    return run
+
+
+class PolicyGlue:
+    """Monitor + runner of one engine, driven by PDVPipelineEngine.train_batch (begin/end)."""
+
+    def __init__(self, engine: Any, cfg: PolicyConfig):
+        from deepspeed.runtime.pipe import schedule
+
+        self.engine, self.cfg = engine, cfg
+        self.comm = TorchComm()  # the world: every rank of every stage agrees
+        self.monitor = Monitor(self.comm, engine.grid.get_data_parallel_world_size(), cfg.monitor)
+        engine.grad_hooks.append(_MonitorHook(self.monitor))
+        # time forward/backward per rank (the straggler signal) through an instance-level instruction map
+        imap = dict(type(engine)._INSTRUCTION_MAP)
+        for instr in (schedule.ForwardPass, schedule.BackwardPass):
+            imap[instr] = _timed(imap[instr], self.monitor)
+        engine._INSTRUCTION_MAP = imap
+        self.applier = EngineApplier(engine)
+        policies = [build_policy(p) for p in cfg.plugins]
+        self.runner: Optional[PolicyRunner] = (
+            PolicyRunner(policies, self.comm, self.applier, cfg.on_error, cfg.every, cfg.lr_scaling)
+            if policies else None)
+        self.last_metrics: Dict[str, Any] = {}
+        self._begun = False
+
+    def begin(self) -> None:
+        if not self._begun:
+            self._begun = True
+            if self.runner is not None:
+                ctx_step = int(self.engine.global_steps)
+                self.runner.on_train_begin(ctx_step)
+        self.monitor.begin_step()
+
+    def end(self, loss: Any) -> Dict[str, Any]:
+        e = self.engine
+        mbs, mb, _ = self.applier.batch_geometry()
+        lrs = self.applier.get_lr()
+        m = self.monitor.end_step(int(e.global_steps), float(loss) if loss is not None else None,
+                                  lrs[0] if lrs else None, mbs, mb, getattr(e.aggregator, "report", None))
+        if self.runner is not None:
+            self.runner.after_step(m)
+        self.last_metrics = m
+        return m
+
+    def close(self) -> None:
+        self.monitor.close()
+
+    # ---- checkpoint -----------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {"monitor": self.monitor.state_dict(),
+                "runner": self.runner.state_dict() if self.runner is not None else None}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.monitor.load_state_dict(state["monitor"])
+        if self.runner is not None and state.get("runner") is not None:
+            self.runner.load_state_dict(state["runner"])
+        self._begun = False  # policies see on_train_begin again (after their state is restored)
+
+
+def build_glue(engine: Any) -> Optional[PolicyGlue]:
+    """A PolicyGlue when `pdv.policy` asks for one (plugins or an enabled monitor), else None."""
+    cfg = engine.pdv_config.policy
+    return PolicyGlue(engine, cfg) if cfg.active else None
+
+
+def begin_step(engine: Any, data_iter: Any = None) -> Optional[PolicyGlue]:
+    """Before a train_batch: hand a restored data position to the iterator, start the step's clock."""
+    pending = getattr(engine, "_pdv_pending_data", None)
+    if pending is not None:
+        it = data_iter if data_iter is not None else engine.data_iterator
+        if hasattr(it, "load_state_dict"):
+            it.load_state_dict(pending)
+            engine._pdv_pending_data = None
+    glue: Optional[PolicyGlue] = getattr(engine, "pdv_policy", None)
+    if glue is not None:
+        glue.begin()
+    return glue
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------------
+def _path(engine: Any, ckpt_dir: str, tag: str) -> str:
+    return os.path.join(ckpt_dir, str(tag), f"pdv_state_rank{engine.global_rank:05d}.pt")
+
+
+def state_of(engine: Any) -> Dict[str, Any]:
+    """Everything pdv adds to a checkpoint, for this rank."""
+    agg = engine.aggregator
+    it = engine.data_iterator
+    glue: Optional[PolicyGlue] = getattr(engine, "pdv_policy", None)
+    return {
+        "aggregator": {"type": agg.name, **agg.options.model_dump()},
+        "aggregator_state": agg.state_dict(),
+        "micro_batch_size": int(engine.train_micro_batch_size_per_gpu()),
+        "micro_batches": int(engine.micro_batches),
+        "data": it.state_dict() if hasattr(it, "state_dict") else None,
+        "policy": glue.state_dict() if glue is not None else None,
+    }
+
+
+def save_state(engine: Any, save_dir: str, tag: Optional[str]) -> str:
+    """Write this rank's pdv state next to DeepSpeed's checkpoint files (call after it saved)."""
+    tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    path = _path(engine, save_dir, tag)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(state_of(engine), path)
+    return path
+
+
+def load_state(engine: Any, load_dir: str, tag: Optional[str]) -> bool:
+    """Restore this rank's pdv state (call after DeepSpeed loaded its checkpoint). Returns False when the
+    checkpoint has none (e.g. written by plain DeepSpeed)."""
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            return False
+        with open(latest, encoding="utf-8") as f:
+            tag = f.read().strip()
+    path = _path(engine, load_dir, tag)
+    if not os.path.isfile(path):
+        return False
+    st = torch.load(path, weights_only=False)
+    spec = dict(st["aggregator"])
+    if spec != {"type": engine.aggregator.name, **engine.aggregator.options.model_dump()}:
+        engine.set_aggregator(spec)
+    engine.aggregator.load_state_dict(st["aggregator_state"])
+    applier = EngineApplier(engine)
+    mbs, mb, _ = applier.batch_geometry()
+    if (mbs, mb) != (st["micro_batch_size"], st["micro_batches"]):
+        applier.set_batch_size(st["micro_batches"], st["micro_batch_size"])
+    glue: Optional[PolicyGlue] = getattr(engine, "pdv_policy", None)
+    if glue is not None and st.get("policy") is not None:
+        glue.load_state_dict(st["policy"])
+    if st.get("data") is not None:
+        it = engine.data_iterator
+        if hasattr(it, "load_state_dict"):
+            it.load_state_dict(st["data"])
+        else:  # the iterator comes with the next train_batch(data_iter=...): restore it there
+            engine._pdv_pending_data = st["data"]
+    return True

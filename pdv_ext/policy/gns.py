@@ -1,0 +1,101 @@
+"""Gradient noise scale (McCandlish et al. 2018, as in KungFu and AdaptDL) and the LR scaling rules.
+
+From one step's local gradient (batch B_small) and aggregated gradient (B_big):
+    |G|² ≈ (B_big |g_big|² - B_small |g_small|²) / (B_big - B_small)
+    S    ≈ (|g_small|² - |g_big|²) / (1/B_small - 1/B_big)
+both EMA-smoothed (bias-corrected, like Adam's moments); GNS = S / |G|². The estimates of one step are
+very noisy (|G|² can even come out negative): only the smoothed ratio is meaningful.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Tuple
+
+
+def noise_estimates(local_sq: float, agg_sq: float, b_small: float, b_big: float) -> Tuple[float, float]:
+    """Unbiased one-step estimates (|G|², S) from the squared norms of a small- and a big-batch gradient."""
+    if b_big <= b_small:
+        raise ValueError("the aggregated batch must be larger than the local batch (needs data parallelism)")
+    g2 = (b_big * agg_sq - b_small * local_sq) / (b_big - b_small)
+    s = (local_sq - agg_sq) / (1.0 / b_small - 1.0 / b_big)
+    return g2, s
+
+
+class GNSEstimator:
+    """EMA of |G|² and S; `gns` is their ratio (None until |G|² is positive)."""
+
+    def __init__(self, beta: float = 0.95):
+        self.beta = beta
+        self.g2 = 0.0
+        self.s = 0.0
+        self.count = 0
+
+    def update(self, local_sq: float, agg_sq: float, b_small: float, b_big: float) -> Optional[float]:
+        if not (math.isfinite(local_sq) and math.isfinite(agg_sq)) or b_big <= b_small:
+            return self.gns
+        g2, s = noise_estimates(local_sq, agg_sq, b_small, b_big)
+        self.g2 = self.beta * self.g2 + (1 - self.beta) * g2
+        self.s = self.beta * self.s + (1 - self.beta) * s
+        self.count += 1
+        return self.gns
+
+    def _corrected(self) -> Tuple[float, float]:
+        c = 1.0 - self.beta ** self.count if self.count else 1.0
+        return self.g2 / c, self.s / c
+
+    @property
+    def grad_sq(self) -> Optional[float]:
+        return self._corrected()[0] if self.count else None
+
+    @property
+    def noise(self) -> Optional[float]:
+        return self._corrected()[1] if self.count else None
+
+    @property
+    def gns(self) -> Optional[float]:
+        if not self.count:
+            return None
+        g2, s = self._corrected()
+        if g2 <= 0:
+            return None
+        return max(s, 0.0) / g2
+
+    def state_dict(self) -> Dict[str, float]:
+        return {"g2": self.g2, "s": self.s, "count": self.count, "beta": self.beta}
+
+    def load_state_dict(self, state: Dict[str, float]) -> None:
+        self.g2, self.s, self.count = float(state["g2"]), float(state["s"]), int(state["count"])
+        self.beta = float(state.get("beta", self.beta))
+
+
+def adascale_gain(gns: Optional[float], old_batch: float, new_batch: float) -> float:
+    """AdaScale gain of going from `old_batch` to `new_batch` given the noise scale (S/|G|²):
+    r = (S/B_old + |G|²) / (S/B_new + |G|²) = (gns/B_old + 1) / (gns/B_new + 1); between 1 and
+    new/old for growth. Without an estimate the gain is 1 (no LR change)."""
+    if gns is None or not math.isfinite(gns):
+        return 1.0
+    return (gns / old_batch + 1.0) / (gns / new_batch + 1.0)
+
+
+def lr_factor(rule: str, old_batch: float, new_batch: float, gns: Optional[float] = None) -> float:
+    """LR multiplier for a batch change under `rule` (none | linear | sqrt | adascale)."""
+    if old_batch <= 0 or new_batch <= 0:
+        raise ValueError("batch sizes must be positive")
+    ratio = new_batch / old_batch
+    if rule == "none":
+        return 1.0
+    if rule == "linear":
+        return ratio
+    if rule == "sqrt":
+        return math.sqrt(ratio)
+    if rule == "adascale":
+        return adascale_gain(gns, old_batch, new_batch)
+    raise ValueError(f"unknown LR scaling rule '{rule}' (none, linear, sqrt, adascale)")
+
+
+def statistical_efficiency(gns: Optional[float], base_batch: float, batch: float) -> float:
+    """AdaptDL's efficiency of `batch` relative to `base_batch`: progress per sample,
+    (gns + B0) / (gns + B). 1 at the base batch, falling as the batch outgrows the noise scale."""
+    if gns is None or not math.isfinite(gns):
+        return base_batch / batch
+    return (gns + base_batch) / (gns + batch)

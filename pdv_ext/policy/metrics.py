@@ -1,0 +1,231 @@
+"""The Monitor: cheap per-step training metrics, identical on every rank.
+
+Per step each rank contributes a few scalars — its wall step time, its compute time (forward+backward,
+what reveals a straggler: wall times are equalised by the collectives), the sums of squares of its local
+and of its aggregated gradients, the loss, and what the aggregator reported — and ONE all-gather over
+the world makes them known everywhere. From them: samples/s, per-rank times, and the gradient noise
+scale (pdv_ext.policy.gns). Rank 0 writes `metrics.csv` (and TensorBoard events when `tensorboard` is
+importable). Framework-independent: it takes a Comm; the DeepSpeed glue (pdv_ext.policy.engine) feeds
+it from grad hooks, Horovod from its optimizer hook.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from ..comm.base import Comm
+from .config import MonitorConfig
+from .gns import GNSEstimator
+
+#: the per-rank scalars gathered each step, in order
+SLOTS = ("wall", "compute", "local_sq", "agg_sq", "loss", "dropped", "consensus_distance", "grads")
+
+#: CSV columns, in order (per-rank columns `compute_r{i}` are appended; absent values are left empty)
+COLUMNS = ("step", "time", "samples", "batch_size", "micro_batches", "micro_batch_size", "loss", "lr",
+           "step_time", "samples_per_s", "gns", "grad_sq", "noise", "compute_max", "compute_min",
+           "slowest_rank", "dropped", "consensus_distance")
+
+
+def sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Σ|t|² over `tensors` as a float64 0-d tensor (stays on device: no sync until read)."""
+    ts = [t for t in tensors if t is not None and t.numel()]
+    if not ts:
+        return torch.zeros((), dtype=torch.float64)
+    try:
+        norms = torch._foreach_norm(ts)
+    except (RuntimeError, TypeError):  # mixed dtypes/devices on old torch
+        norms = [t.norm() for t in ts]
+    return torch.stack([n.to(torch.float64, copy=False).reshape(()) for n in norms]).square().sum()
+
+
+def _report_scalars(report: Dict[str, Any]) -> tuple:
+    """(dropped count, consensus distance) from an aggregator's `report` (NaN when it says nothing)."""
+    dropped = report.get("dropped", report.get("dropped_ranks"))
+    if dropped is None:
+        n = math.nan
+    elif isinstance(dropped, (int, float)):
+        n = float(dropped)
+    else:
+        n = float(len(dropped))
+    cd = report.get("consensus_distance")
+    return n, float(cd) if isinstance(cd, (int, float)) else math.nan
+
+
+class Monitor:
+    """Collects one step's local scalars, gathers them over `comm`, and returns the step's metrics.
+
+    Use: `begin_step()`; during the step `add_local_grads(grads)` / `add_aggregated_grads(grads)` (the
+    grad hook does it) and `add_compute(seconds)`; then `end_step(...)` (collective) -> metrics dict.
+    `dp_size` is the number of data-parallel replicas (every rank of a replica, across pipeline stages,
+    contributes a slice of that replica's gradient norm).
+    """
+
+    def __init__(self, comm: Comm, dp_size: int, config: Optional[MonitorConfig] = None):
+        self.comm = comm
+        self.dp_size = int(dp_size)
+        self.config = config or MonitorConfig()
+        self.gns = GNSEstimator(self.config.ema)
+        self.rows: List[Dict[str, Any]] = []
+        self.samples = 0
+        self._extra: Dict[str, Any] = {}
+        self._t0 = time.perf_counter()
+        self._start = time.time()
+        self._writer: Optional[_Writer] = None
+        if comm.rank == 0 and self.config.output_dir:
+            self._writer = _Writer(self.config.output_dir, self.config.tensorboard, self.config.flush_every)
+        self.begin_step()
+
+    # ---- inputs during a step -------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self._t0 = time.perf_counter()
+        self._compute = 0.0
+        self._local_sq: Optional[torch.Tensor] = None
+        self._agg_sq: Optional[torch.Tensor] = None
+
+    def add_compute(self, seconds: float) -> None:
+        self._compute += seconds
+
+    def add_local_grads(self, grads: Sequence[torch.Tensor]) -> None:
+        if self.config.gns:
+            s = sum_of_squares(grads)
+            self._local_sq = s if self._local_sq is None else self._local_sq + s
+
+    def add_aggregated_grads(self, grads: Sequence[torch.Tensor]) -> None:
+        if self.config.gns:
+            s = sum_of_squares(grads)
+            self._agg_sq = s if self._agg_sq is None else self._agg_sq + s
+
+    def note(self, **values: Any) -> None:
+        """Extra columns for this step's row (e.g. `val_loss`), written by rank 0."""
+        self._extra.update(values)
+
+    # ---- the collective -------------------------------------------------------------------------
+    def end_step(self, step: int, loss: Optional[float], lr: Optional[float], micro_batch_size: int,
+                 micro_batches: int, report: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """Gather this step's scalars from every rank; return the metrics (identical on all ranks)."""
+        wall = time.perf_counter() - self._t0
+        has = self._local_sq is not None and self._agg_sq is not None
+        dropped, cd = _report_scalars(report or {})
+        mine = torch.tensor([wall, self._compute, float(self._local_sq) if has else 0.0,
+                             float(self._agg_sq) if has else 0.0, math.nan if loss is None else float(loss),
+                             dropped, cd, 1.0 if has else 0.0], dtype=torch.float64)
+        rows = torch.stack(self.comm.all_gather(mine)) if self.comm.size > 1 else mine[None]
+        m = self._combine(rows, step, lr, micro_batch_size, micro_batches)
+        self._record(m)
+        self.begin_step()
+        return m
+
+    def _combine(self, rows: torch.Tensor, step: int, lr: Optional[float], mbs: int, mb: int) -> Dict[str, Any]:
+        col = {k: rows[:, i] for i, k in enumerate(SLOTS)}
+        batch = mbs * mb * self.dp_size
+        wall = float(col["wall"].max())
+        compute = col["compute"].tolist()
+        self.samples += batch
+        m: Dict[str, Any] = {
+            "step": step, "time": time.time() - self._start, "samples": self.samples, "batch_size": batch,
+            "micro_batches": mb, "micro_batch_size": mbs, "dp_size": self.dp_size, "lr": lr,
+            "step_time": wall, "step_times": col["wall"].tolist(), "compute_times": compute,
+            "samples_per_s": batch / wall if wall > 0 else math.nan,
+        }
+        losses = col["loss"][~torch.isnan(col["loss"])]
+        m["loss"] = float(losses[0]) if len(losses) else None
+        if any(c > 0 for c in compute):
+            m["compute_max"], m["compute_min"] = max(compute), min(compute)
+            m["slowest_rank"] = int(max(range(len(compute)), key=compute.__getitem__))
+        for key in ("dropped", "consensus_distance"):
+            v = col[key][~torch.isnan(col[key])]
+            if len(v):
+                m[key] = float(v.max())
+        if self.config.gns and bool((col["grads"] > 0).all()):
+            # each replica's full-model |g|² is spread over its stages: sum over all ranks / replicas
+            local_sq = float(col["local_sq"].sum()) / self.dp_size
+            agg_sq = float(col["agg_sq"].sum()) / self.dp_size
+            b_small = mbs * mb
+            m["local_sq"], m["agg_sq"] = local_sq, agg_sq
+            if self.dp_size > 1:
+                self.gns.update(local_sq, agg_sq, b_small, b_small * self.dp_size)
+                m["gns"], m["grad_sq"], m["noise"] = self.gns.gns, self.gns.grad_sq, self.gns.noise
+        return m
+
+    def _record(self, m: Dict[str, Any]) -> None:
+        if self._extra:
+            m.update(self._extra)
+            self._extra = {}
+        if self.comm.rank != 0:
+            return
+        row = {k: v for k, v in m.items() if not isinstance(v, list)}
+        for i, c in enumerate(m.get("compute_times", [])):
+            row[f"compute_r{i}"] = c
+        self.rows.append(row)
+        if self._writer is not None:
+            self._writer.write(row)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {"gns": self.gns.state_dict(), "samples": self.samples}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.gns.load_state_dict(state["gns"])
+        self.samples = int(state.get("samples", 0))
+
+
+class _Writer:
+    """metrics.csv (header grows when new columns appear: the file is rewritten) + TensorBoard."""
+
+    def __init__(self, output_dir: str, tensorboard: bool, flush_every: int):
+        os.makedirs(output_dir, exist_ok=True)
+        self.path = os.path.join(output_dir, "metrics.csv")
+        self.flush_every = flush_every
+        self.rows: List[Dict[str, Any]] = []
+        self.header: List[str] = []
+        self.f = open(self.path, "w", newline="", encoding="utf-8")
+        self.csv: Optional[csv.DictWriter] = None
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+            except ImportError:  # tensorboard not installed: CSV only
+                self.tb = None
+
+    def write(self, row: Dict[str, Any]) -> None:
+        self.rows.append(row)
+        new = [k for k in row if k not in self.header]
+        if new or self.csv is None:
+            known = [c for c in COLUMNS if c in self.header or c in row]
+            rest = [k for k in self.header + new if k not in COLUMNS]
+            self.header = known + rest
+            self.f.seek(0)
+            self.f.truncate()
+            self.csv = csv.DictWriter(self.f, fieldnames=self.header, extrasaction="ignore")
+            self.csv.writeheader()
+            for r in self.rows:
+                self.csv.writerow(_fmt(r))
+        else:
+            self.csv.writerow(_fmt(row))
+        if len(self.rows) % self.flush_every == 0:
+            self.f.flush()
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and v is not None and math.isfinite(v):
+                    self.tb.add_scalar(f"pdv/{k}", v, int(row["step"]))
+
+    def close(self) -> None:
+        self.f.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _fmt(row: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: ("" if v is None else (f"{v:.6g}" if isinstance(v, float) else v)) for k, v in row.items()}

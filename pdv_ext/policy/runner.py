@@ -1,0 +1,242 @@
+"""The PolicyRunner: rank 0 decides, every rank applies the same actions at the same step boundary.
+
+Independent of DeepSpeed: it takes a world `Comm` and an *applier* — the object that knows how to change
+batch size, LR and aggregator in a given framework (pdv_ext.policy.engine.EngineApplier for DeepSpeed's
+pipeline engine; Horovod has its own). Per step, after the Monitor's all-gather (metrics are identical
+on all ranks), rank 0 asks each enabled policy, resolves what depends on rank-local state (the LR
+factor), and broadcasts one small message; when there is nothing to do it costs one broadcast of one
+integer. A policy that raises is reported with its name and step, then disabled on every rank
+(`on_error="disable"`), or every rank raises PolicyError (`on_error="raise"`).
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+from ..comm.base import Comm
+from .base import (Action, Policy, SetAggregator, SetBatchSize, SetGossipPeers, SetLearningRate, TrainContext,
+                   action_from_dict)
+from .gns import lr_factor
+
+log = logging.getLogger("pdv_ext.policy")
+
+
+class PolicyError(RuntimeError):
+    """A policy failed and `pdv.policy.on_error` is "raise" (raised on every rank)."""
+
+
+class Applier(Protocol):
+    """What the runner needs from a framework. Every method is called on every rank, at a step boundary."""
+
+    def batch_geometry(self) -> Tuple[int, int, int]:
+        """(micro_batch_size, micro_batches per step, data-parallel size)."""
+
+    def set_batch_size(self, micro_batches: int, micro_batch_size: int) -> None: ...
+
+    def get_lr(self) -> List[float]:
+        """Current LR of each optimizer param group."""
+
+    def set_lr(self, lrs: Sequence[float]) -> None: ...
+
+    def set_aggregator(self, spec: Any) -> None: ...
+
+    def set_gossip_peers(self, peers: int) -> None: ...
+
+
+class PolicyRunner:
+    """Runs `policies` after every step; see the module docstring for the agreement protocol."""
+
+    def __init__(self, policies: Sequence[Policy], comm: Comm, applier: Applier, on_error: str = "disable",
+                 every: int = 1, lr_scaling: str = "sqrt"):
+        if on_error not in ("disable", "raise"):
+            raise ValueError("on_error must be 'disable' or 'raise'")
+        self.policies = list(policies)
+        self.comm, self.applier = comm, applier
+        self.on_error, self.every, self.lr_scaling = on_error, int(every), lr_scaling
+        self.disabled: Dict[int, str] = {}  # policy index -> error message
+        self.errors: List[Dict[str, Any]] = []
+        #: (step, action dict) of every applied action, identical on all ranks
+        self.action_log: List[Tuple[int, Dict[str, Any]]] = []
+        self.base_lrs: Optional[List[float]] = None
+        self.lr_scale = 1.0
+        self._written: Optional[List[float]] = None
+        self.step = 0
+
+    # ---- hooks ----------------------------------------------------------------------------------
+    def context(self, step: int = 0) -> TrainContext:
+        mbs, mb, dp = self.applier.batch_geometry()
+        lrs = self.applier.get_lr()
+        return TrainContext(world_size=self.comm.size, dp_size=dp, micro_batch_size=mbs, micro_batches=mb,
+                            lr=lrs[0] if lrs else 0.0, step=step,
+                            extra={"stages": int(getattr(self.applier, "num_stages", 1))})
+
+    def on_train_begin(self, step: int = 0) -> None:
+        ctx = self.context(step)
+        for i, pol in enumerate(self.policies):
+            if i not in self.disabled:
+                self._guard(i, step, pol.on_train_begin, ctx, local=True)
+
+    def after_step(self, metrics: Dict[str, Any]) -> List[Action]:
+        """Collective: every rank calls it with the (identical) metrics of the step just finished."""
+        step = int(metrics["step"])
+        self.step = step
+        self._sync_lr()
+        payload: Optional[Dict[str, Any]] = None
+        if self.comm.rank == 0 and step % self.every == 0:
+            payload = self._decide(metrics)
+        payload = self._broadcast(payload)
+        if not payload:
+            return []
+        for err in payload.get("errors", []):
+            self._record_error(err)
+        if payload.get("stop"):
+            raise PolicyError(payload["stop"])
+        applied = []
+        for item in payload.get("actions", []):
+            action = action_from_dict(item["action"])
+            self._apply(action, item)
+            self.action_log.append((step, action.to_dict()))
+            applied.append(action)
+        return applied
+
+    # ---- rank 0 ---------------------------------------------------------------------------------
+    def _decide(self, metrics: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        step = int(metrics["step"])
+        actions, errors, stop = [], [], None
+        for i, pol in enumerate(self.policies):
+            if i in self.disabled:
+                continue
+            try:
+                out = pol.after_step(metrics) or []
+                for a in out:
+                    if not isinstance(a, Action):
+                        raise TypeError(f"after_step returned {a!r}, not an Action")
+            except Exception as exc:  # a plugin's bug must not kill the run unless asked to
+                err = {"index": i, "policy": _name(pol), "step": step, "error": f"{type(exc).__name__}: {exc}"}
+                errors.append(err)
+                if self.on_error == "raise":
+                    stop = f"policy '{err['policy']}' failed at step {step}: {err['error']}"
+                    break
+                continue
+            for a in out:
+                actions.append(self._resolve(a, _name(pol), metrics))
+        if not actions and not errors:
+            return None
+        return {"actions": actions, "errors": errors, "stop": stop}
+
+    def _resolve(self, a: Action, source: str, metrics: Dict[str, Any]) -> Dict[str, Any]:
+        d = a.to_dict()
+        d["source"] = d.get("source") or source
+        item: Dict[str, Any] = {"action": d}
+        if isinstance(a, SetBatchSize):
+            mbs0, mb0, dp = self.applier.batch_geometry()
+            mb, mbs = a.micro_batches or mb0, a.micro_batch_size or mbs0
+            rule = a.lr_rule or self.lr_scaling
+            item["lr_factor"] = lr_factor(rule, mbs0 * mb0 * dp, mbs * mb * dp, metrics.get("gns"))
+        return item
+
+    def _broadcast(self, payload: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        """Rank 0's payload on every rank: a length, then (only when non-empty) the pickled bytes.
+        (Comm.broadcast_object always sends both; the empty case is the common one.)"""
+        if self.comm.size == 1:
+            return payload
+        data = pickle.dumps(payload) if (self.comm.rank == 0 and payload) else b""
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        self.comm.broadcast(n, 0)
+        if int(n.item()) == 0:
+            return None
+        buf = torch.zeros(int(n.item()), dtype=torch.uint8)
+        if self.comm.rank == 0:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.comm.broadcast(buf, 0)
+        return pickle.loads(buf.numpy().tobytes())
+
+    # ---- every rank -----------------------------------------------------------------------------
+    def _apply(self, action: Action, item: Dict[str, Any]) -> None:
+        ap = self.applier
+        if isinstance(action, SetBatchSize):
+            mbs0, mb0, _ = ap.batch_geometry()
+            mb, mbs = action.micro_batches or mb0, action.micro_batch_size or mbs0
+            if mb < 1 or mbs < 1:
+                raise ValueError(f"SetBatchSize from '{action.source}': sizes must be >= 1 (got {mb}, {mbs})")
+            if (mb, mbs) != (mb0, mbs0):
+                ap.set_batch_size(mb, mbs)
+                self._scale_lr(float(item.get("lr_factor", 1.0)))
+        elif isinstance(action, SetLearningRate):
+            if action.lr is not None:
+                self.base_lrs = [float(action.lr)] * len(ap.get_lr())
+                self.lr_scale = 1.0
+            if action.scale is not None:
+                self.lr_scale *= float(action.scale)
+            self._write_lr()
+        elif isinstance(action, SetAggregator):
+            ap.set_aggregator(action.spec)
+        elif isinstance(action, SetGossipPeers):
+            ap.set_gossip_peers(int(action.peers))
+        else:
+            raise TypeError(f"unknown action {action!r}")
+
+    def _sync_lr(self) -> None:
+        """An LR scheduler (or the user) moved the LR since we last wrote it: that is the new base."""
+        cur = self.applier.get_lr()
+        if self.base_lrs is None or cur != self._written:
+            self.base_lrs = list(cur)
+            if self.lr_scale != 1.0:
+                self._write_lr()
+            else:
+                self._written = list(cur)
+
+    def _scale_lr(self, factor: float) -> None:
+        if factor != 1.0:
+            self.lr_scale *= factor
+            self._write_lr()
+
+    def _write_lr(self) -> None:
+        assert self.base_lrs is not None
+        lrs = [b * self.lr_scale for b in self.base_lrs]
+        self.applier.set_lr(lrs)
+        self._written = list(self.applier.get_lr())
+
+    def _record_error(self, err: Dict[str, Any]) -> None:
+        self.errors.append(err)
+        i = err["index"]
+        if i not in self.disabled:
+            self.disabled[i] = err["error"]
+            if self.comm.rank == 0:
+                verb = "stopping the run" if self.on_error == "raise" else "disabled"
+                log.error("policy '%s' failed at step %d: %s (%s)", err["policy"], err["step"], err["error"], verb)
+
+    def _guard(self, i: int, step: int, fn: Any, *args: Any, local: bool = False) -> Any:
+        try:
+            return fn(*args)
+        except Exception as exc:
+            err = {"index": i, "policy": _name(self.policies[i]), "step": step,
+                   "error": f"{type(exc).__name__}: {exc}"}
+            if self.on_error == "raise":
+                raise PolicyError(f"policy '{err['policy']}' failed at step {step}: {err['error']}") from exc
+            self._record_error(err)
+            return None
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {"policies": [p.state_dict() for p in self.policies], "disabled": dict(self.disabled),
+                "errors": list(self.errors), "action_log": list(self.action_log), "base_lrs": self.base_lrs,
+                "lr_scale": self.lr_scale, "written": self._written, "step": self.step}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if len(state["policies"]) != len(self.policies):
+            raise ValueError(f"checkpoint has {len(state['policies'])} policies, the config {len(self.policies)}")
+        for pol, ps in zip(self.policies, state["policies"]):
+            pol.load_state_dict(ps)
+        self.disabled = {int(k): v for k, v in state["disabled"].items()}
+        self.errors = list(state["errors"])
+        self.action_log = [tuple(x) for x in state["action_log"]]  # type: ignore[misc]
+        self.base_lrs, self.lr_scale, self._written = state["base_lrs"], state["lr_scale"], state["written"]
+        self.step = state["step"]
+
+
+def _name(pol: Policy) -> str:
+    return getattr(pol, "plugin_name", None) or getattr(pol, "name", None) or type(pol).__name__
