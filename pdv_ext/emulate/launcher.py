@@ -52,7 +52,7 @@ class Emulation:
     def __init__(self, spec: EmuSpec, command: Sequence[str], timeout: Optional[float] = None,
                  cpu_budget: Optional[float] = None, top_share: Optional[float] = None,
                  run_name: Optional[str] = None, env: Optional[Dict[str, str]] = None,
-                 out: Optional[BinaryIO] = None, grace: float = 5.0, log=None):
+                 out: Optional[BinaryIO] = None, grace: float = 2.0, log=None):
         self.spec = spec
         self.command = list(command)
         self.timeout = timeout

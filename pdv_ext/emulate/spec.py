@@ -43,9 +43,9 @@ class EmuSpec:
 
 def load_spec(path: str) -> EmuSpec:
     """Load a cluster YAML through the placement package's loader and keep what the emulator needs."""
-    from ..placement.cluster import load_cluster
+    from ..placement.cluster import Cluster
 
-    return from_cluster(load_cluster(path))
+    return from_cluster(Cluster.load(path))
 
 
 def from_cluster(cluster) -> EmuSpec:
