@@ -1,22 +1,40 @@
 """Fused CPU ops for the aggregators, with pure-torch fallbacks that give identical results.
 
 The C++ sources live in `kernels/` at the top of the repository and are JIT-built (cached under
-TORCH_EXTENSIONS_DIR) on first use; when a compiler is missing, or PDV_KERNELS=torch, the fallbacks run.
-Every public function here has the same contract whichever implementation answers.
+TORCH_EXTENSIONS_DIR, default `<repo>/build/torch_extensions`) on first use, under a file lock so that
+concurrent ranks build once. When no compiler works, the sources are missing, or PDV_KERNELS=torch, the
+fallbacks run (one warning). CUDA tensors and dtypes other than float32/float64 always take the fallback.
+Every public function here has the same contract whichever implementation answers (docs/kernels.md).
 
 API (stable; aggregators call only these):
 - `adasum_dots(a, b) -> (a·b, |a|², |b|²)` per tensor pair, accumulated in float64 (three float64 tensors of len(a))
-- `adasum_combine(a, b, ca, cb) -> list`: out_i = ca_i * a_i + cb_i * b_i
+- `adasum_combine(a, b, ca, cb, out=None) -> list`: out_i = ca_i * a_i + cb_i * b_i (computed in float64,
+  rounded once to the dtype); with `out` (which may alias `a` or `b`) the results are written there
 - `topk_error_feedback(update, residual, k) -> (indices, values)`: selects the k largest |update + residual|
-  entries of a flat tensor, returns them and leaves residual = (update + residual) with those entries zeroed
-- `coordinate_median(stack) -> tensor`: median over dim 0 of an (m, n) tensor (mean of the two middle values for even m)
-- `trimmed_mean(stack, trim) -> tensor`: mean over dim 0 after dropping the `trim` largest and smallest per coordinate
+  entries of a flat tensor, returns them and leaves residual = (update + residual) with those entries zeroed.
+  Indices are int64 in ascending order; NaN ranks above +inf; ties at the k-th value go to the lower index.
+- `coordinate_median(stack) -> tensor`: median over dim 0 of an (m, n) tensor (mean of the two middle values
+  for even m); NaN sorts above +inf (as torch.sort), so NaNs from fewer than half the rows never win
+- `trimmed_mean(stack, trim) -> tensor`: mean over dim 0 after dropping the `trim` largest and smallest per
+  coordinate (same order as the median; the kept values are summed in ascending order in float64)
+
+Identity of results: everything except the two float64 sums of `adasum_dots` is bit-identical between the
+kernel and the fallback; those sums agree to float64 rounding (the summation order of BLAS is not ours).
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+import hashlib
+import os
+import platform
+import threading
+import warnings
+from typing import List, Optional, Sequence, Tuple
 
 import torch
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCE = os.path.join(_ROOT, "kernels", "pdv_kernels.cpp")
+_FAST_DTYPES = (torch.float32, torch.float64)
 
 
 # ---- pure-torch reference implementations --------------------------------------------------------
@@ -34,17 +52,46 @@ def adasum_dots_torch(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> T
 
 
 def adasum_combine_torch(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ca: torch.Tensor,
-                         cb: torch.Tensor) -> List[torch.Tensor]:
-    return [x * float(ca[i]) + y * float(cb[i]) for i, (x, y) in enumerate(zip(a, b))]
+                         cb: torch.Tensor, out: Optional[Sequence[torch.Tensor]] = None) -> List[torch.Tensor]:
+    cas, cbs = ca.tolist(), cb.tolist()
+    res = []
+    for i, (x, y) in enumerate(zip(a, b)):
+        val = (x.double() * cas[i] + y.double() * cbs[i]).to(x.dtype)
+        if out is not None:
+            out[i].copy_(val)
+            val = out[i]
+        res.append(val)
+    return res
+
+
+def _abs_key(acc: torch.Tensor) -> torch.Tensor:
+    """|acc| as integers that order like |acc|, every NaN mapped to the canonical NaN (above +inf)."""
+    if acc.dtype == torch.float64:
+        key = acc.abs().view(torch.int64)
+        nan = 0x7FF8000000000000
+    else:
+        key = acc.abs().float().view(torch.int32)
+        nan = 0x7FC00000
+    return key.masked_fill(torch.isnan(acc), nan)
 
 
 def topk_error_feedback_torch(update: torch.Tensor, residual: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     acc = update.reshape(-1) + residual.reshape(-1)
-    k = max(0, min(int(k), acc.numel()))
-    idx = torch.topk(acc.abs(), k, sorted=False).indices if k else torch.empty(0, dtype=torch.long)
+    n = acc.numel()
+    k = max(0, min(int(k), n))
+    if k == 0:
+        idx = torch.empty(0, dtype=torch.long, device=acc.device)
+    elif k == n:
+        idx = torch.arange(n, device=acc.device)
+    else:
+        key = _abs_key(acc)
+        thr = torch.topk(key, k, sorted=False).values.min()
+        above = (key > thr).nonzero().squeeze(1)
+        ties = (key == thr).nonzero().squeeze(1)[: k - above.numel()]
+        idx = torch.cat([above, ties]).sort().values
     vals = acc[idx].clone()
     acc[idx] = 0
-    residual.reshape(-1).copy_(acc)
+    residual.copy_(acc.view(residual.shape))
     return idx, vals
 
 
@@ -61,12 +108,147 @@ def trimmed_mean_torch(stack: torch.Tensor, trim: int) -> torch.Tensor:
     if not 0 <= 2 * trim < m:
         raise ValueError(f"trim={trim} leaves nothing of {m} vectors")
     s = stack.sort(dim=0).values
-    return s[trim: m - trim].mean(dim=0)
+    acc = s[trim].double()
+    for i in range(trim + 1, m - trim):
+        acc += s[i].double()
+    return (acc / (m - 2 * trim)).to(stack.dtype)
 
 
-# ---- dispatch (the C++ implementations plug in here) ----------------------------------------------
-adasum_dots = adasum_dots_torch
-adasum_combine = adasum_combine_torch
-topk_error_feedback = topk_error_feedback_torch
-coordinate_median = coordinate_median_torch
-trimmed_mean = trimmed_mean_torch
+# ---- loading the C++ extension --------------------------------------------------------------------
+_lock = threading.Lock()
+_state = {"tried": False, "module": None, "reason": ""}
+
+
+def _cpu_tag() -> str:
+    """Distinguishes -march=native builds of different CPUs sharing one cache directory."""
+    info = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features")):
+                    info += line
+                if line.startswith("flags") or line.startswith("Features"):
+                    break
+    except OSError:
+        pass
+    return hashlib.sha1(info.encode()).hexdigest()[:8]
+
+
+def _cflags(native: bool) -> List[str]:
+    flags = ["-O3", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
+    if native:
+        flags.append("-march=native")
+    return flags
+
+
+def extensions_dir() -> str:
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(_ROOT, "build", "torch_extensions")
+
+
+def _build():
+    import fcntl
+
+    from torch.utils import cpp_extension
+
+    if not os.path.exists(SOURCE):
+        raise FileNotFoundError(f"kernel source {SOURCE} not found")
+    root = extensions_dir()
+    os.makedirs(root, exist_ok=True)
+    with open(SOURCE, "rb") as f:
+        src_tag = hashlib.sha1(f.read()).hexdigest()[:8]
+    last_err: Optional[Exception] = None
+    for native in (True, False) if os.environ.get("PDV_KERNELS_NATIVE", "1") != "0" else (False,):
+        name = f"pdv_kernels_{src_tag}_{_cpu_tag() if native else 'generic'}"
+        build_dir = os.path.join(root, name)
+        os.makedirs(build_dir, exist_ok=True)
+        with open(os.path.join(root, "pdv_kernels.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time across ranks and processes
+            try:
+                stale = os.path.join(build_dir, "lock")  # torch's own baton, left behind by a killed build
+                if os.path.exists(stale):
+                    os.remove(stale)
+                return cpp_extension.load(name=name, sources=[SOURCE], extra_cflags=_cflags(native),
+                                          build_directory=build_dir, verbose=False)
+            except Exception as e:  # e.g. -march=native unsupported: retry portable
+                last_err = e
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+    raise RuntimeError(f"building {SOURCE} failed: {last_err}")
+
+
+def backend() -> str:
+    """'cpp' when the fused kernels are loaded (building them if needed), else 'torch'."""
+    return "cpp" if _module() is not None else "torch"
+
+
+def _module():
+    if _state["tried"]:
+        return _state["module"]
+    with _lock:
+        if _state["tried"]:
+            return _state["module"]
+        if os.environ.get("PDV_KERNELS", "").lower() == "torch":
+            _state["reason"] = "PDV_KERNELS=torch"
+        else:
+            try:
+                _state["module"] = _build()
+            except Exception as e:  # no compiler, no headers, no sources: the fallbacks are exact
+                _state["reason"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                warnings.warn(f"pdv_ext.kernels: using the pure-torch fallbacks ({_state['reason']})",
+                              RuntimeWarning, stacklevel=3)
+        _state["tried"] = True
+        return _state["module"]
+
+
+def _fast(*tensors: torch.Tensor) -> bool:
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype not in _FAST_DTYPES:
+            return False
+    return _module() is not None
+
+
+# ---- dispatch -------------------------------------------------------------------------------------
+def adasum_dots(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if len(a) and _fast(*a, *b) and all(x.dtype == y.dtype for x, y in zip(a, b)):
+        dot, na, nb = _module().adasum_dots([x.contiguous() for x in a], [y.contiguous() for y in b])
+        return dot, na, nb
+    return adasum_dots_torch(a, b)
+
+
+def adasum_combine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ca: torch.Tensor, cb: torch.Tensor,
+                   out: Optional[Sequence[torch.Tensor]] = None) -> List[torch.Tensor]:
+    outs = list(out) if out is not None else None
+    if (len(a) and _fast(*a, *b, *(outs or [])) and all(x.is_contiguous() for x in (outs or []))
+            and all(x.dtype == y.dtype for x, y in zip(a, b))):
+        if outs is None:
+            outs = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in a]
+        ca64 = ca.to(torch.float64).contiguous()
+        cb64 = cb.to(torch.float64).contiguous()
+        _module().adasum_combine([x.contiguous() for x in a], [y.contiguous() for y in b], ca64, cb64, outs)
+        return outs
+    return adasum_combine_torch(a, b, ca, cb, out)
+
+
+def topk_error_feedback(update: torch.Tensor, residual: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    if (_fast(update, residual) and update.dtype == residual.dtype and residual.is_contiguous()
+            and update.numel() == residual.numel()):
+        idx, vals = _module().topk_error_feedback(update.contiguous().reshape(-1), residual.reshape(-1), int(k))
+        return idx, vals
+    return topk_error_feedback_torch(update, residual, k)
+
+
+def coordinate_median(stack: torch.Tensor) -> torch.Tensor:
+    if stack.dim() >= 2 and stack.shape[0] >= 1 and _fast(stack):
+        flat = stack.reshape(stack.shape[0], -1).contiguous()
+        return _module().coordinate_median(flat).view(stack.shape[1:])
+    return coordinate_median_torch(stack)
+
+
+def trimmed_mean(stack: torch.Tensor, trim: int) -> torch.Tensor:
+    m = stack.shape[0] if stack.dim() else 0
+    if not 0 <= 2 * int(trim) < m:
+        raise ValueError(f"trim={trim} leaves nothing of {m} vectors")
+    if stack.dim() >= 2 and _fast(stack):
+        flat = stack.reshape(m, -1).contiguous()
+        return _module().trimmed_mean(flat, int(trim)).view(stack.shape[1:])
+    return trimmed_mean_torch(stack, trim)

@@ -48,3 +48,30 @@ def train_mlp(engine: str = "pdv", steps: int = 3, stages: int = 2, layers: int 
     return {"losses": losses, "weights": weights, "stage": eng.stage_id, "parts": list(eng.module.parts),
             "dp_ranks": sorted(eng.grid.dp_group), "rank": dist.get_rank(),
             "engine": type(eng).__name__, "aggregator": getattr(getattr(eng, "aggregator", None), "name", None)}
+
+
+class CountingSum:
+    """Test aggregator given as "module:Class": sums instead of averaging and counts its calls, so a test
+    can tell that the engine really routes ReduceGrads through the configured aggregator."""
+
+    calls = 0
+
+    def __new__(cls, **options):
+        from pdv_ext.aggregation import Aggregator
+
+        class _Sum(Aggregator):
+            name = "counting_sum"
+
+            def aggregate(self, grads, comm):
+                CountingSum.calls += 1
+                for g in grads:
+                    comm.all_reduce(g, "sum")
+                return grads
+
+        return _Sum(options)
+
+
+def train_mlp_counting(**kwargs):
+    out = train_mlp(**kwargs)
+    out["aggregate_calls"] = CountingSum.calls
+    return out
