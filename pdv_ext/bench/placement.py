@@ -1,0 +1,121 @@
+"""`pdv bench placement --json`: DeepSpeed's default placement vs the `dp` plan on an emulated cluster.
+
+On the emulated cluster (`pdv emulate`: one namespace per device behind its host's bridge, tc-shaped links,
+CPU quotas by device speed; root only) it
+1. profiles the demo GPT's layers on the cluster's reference device (under that device's quota),
+2. plans with the `dp` solver (pdv_ext.placement) from that profile and the cluster YAML,
+3. trains the same model with (a) DeepSpeed's default `parameters` partition + row-major placement and
+   (b) the plan, alternating (a), (b) `--repeats` times in the same run, each reporting the median step time,
+4. predicts both step times with the placement cost model (on the parts/mapping the runs really used).
+
+Output: {"default_ms", "planned_ms", "speedup", "predicted_default_ms", "predicted_planned_ms",
+"prediction_error"} (|predicted - measured| / measured, the worse of the two) plus what was compared.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from typing import Any, Dict, List
+
+from .common import emit, log, median, parser
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_CLUSTER = os.path.join(ROOT, "launch", "clusters", "emulated_4dev.yaml")
+
+
+def _args(argv):
+    ap = parser("placement", __doc__.split("\n\n")[0])
+    ap.add_argument("--cluster", default=DEFAULT_CLUSTER)
+    ap.add_argument("--quick", action="store_true", help="few steps, one repeat (smoke test)")
+    ap.add_argument("--repeats", type=int, default=2, help="alternating (default, planned) runs")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--default-stages", type=int, default=2, help="pipeline stages of the DeepSpeed default")
+    ap.add_argument("--layers", type=int, default=4, help="transformer blocks of the demo GPT")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=600.0, help="per emulated run")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.repeats, a.steps, a.warmup = 1, 3, 1
+    return a
+
+
+def _emulate(spec, cmd: List[str], timeout: float) -> None:
+    from ..emulate.launcher import Emulation
+
+    code = Emulation(spec, cmd, timeout=timeout, out=sys.stderr.buffer).run()
+    if code != 0:
+        raise RuntimeError(f"emulated run failed with exit code {code}: {' '.join(cmd)}")
+
+
+def main(argv=None) -> int:
+    a = _args(sys.argv[1:] if argv is None else argv)
+    from ..emulate.launcher import EmulationUnavailable, check_available
+
+    try:
+        check_available()
+    except EmulationUnavailable as exc:
+        print(f"pdv bench placement: emulation unavailable: {exc}", file=sys.stderr)
+        return 2
+    from ..emulate.spec import load_spec
+    from ..placement.cluster import Cluster
+    from ..placement.cost import evaluate
+    from ..placement.profile import Profile
+    from ..placement.solvers import solve
+
+    cluster = Cluster.load(a.cluster)
+    spec = load_spec(a.cluster)
+    model = ["--layers", str(a.layers), "--hidden", str(a.hidden), "--micro-batch", str(a.micro_batch),
+             "--micro-batches", str(a.micro_batches)]
+    timer = [sys.executable, "-m", "pdv_ext.emulate.train_step_timer"]
+    with tempfile.TemporaryDirectory(prefix="pdv-bench-placement-") as tmp:
+        prof_path, plan_path = os.path.join(tmp, "profile.json"), os.path.join(tmp, "plan.json")
+        log(f"profiling the demo GPT on the reference device of {a.cluster}")
+        _emulate(spec, timer + ["profile", "--cluster", a.cluster, "--out", prof_path] + model, a.timeout)
+        profile = Profile.load(prof_path)
+        plan = solve("dp", profile, cluster, None, a.micro_batches)
+        plan.save(plan_path)
+        log(f"dp plan: boundaries {plan.boundaries} mapping {plan.rank_mapping} "
+            f"predicted {plan.predicted_step_time * 1e3:.1f} ms")
+        runs: Dict[str, List[Dict[str, Any]]] = {"default": [], "planned": []}
+        for rep in range(a.repeats):
+            for which in ("default", "planned"):
+                out = os.path.join(tmp, f"{which}{rep}.json")
+                extra = ["--plan", plan_path] if which == "planned" else ["--stages", str(a.default_stages)]
+                log(f"run {rep + 1}/{a.repeats}: {which}")
+                _emulate(spec, timer + ["train", "--out", out, "--steps", str(a.steps), "--warmup", str(a.warmup)]
+                         + model + extra, a.timeout)
+                with open(out) as f:
+                    runs[which].append(json.load(f))
+                log(f"  {which}: median step {runs[which][-1]['median_step_ms']:.1f} ms")
+    measured = {k: median([r["median_step_ms"] for r in v]) for k, v in runs.items()}
+    predicted = {}
+    for k, v in runs.items():
+        used = v[-1]
+        cb = evaluate(profile, cluster, used["parts"], used["rank_mapping"], a.micro_batches)
+        predicted[k] = cb.step_time * 1e3
+    err = max(abs(predicted[k] - measured[k]) / measured[k] for k in measured)
+    result = {
+        "default_ms": round(measured["default"], 2),
+        "planned_ms": round(measured["planned"], 2),
+        "speedup": round(measured["default"] / measured["planned"], 3),
+        "predicted_default_ms": round(predicted["default"], 2),
+        "predicted_planned_ms": round(predicted["planned"], 2),
+        "prediction_error": round(err, 3),
+        "default": {"parts": runs["default"][-1]["parts"], "rank_mapping": runs["default"][-1]["rank_mapping"],
+                    "runs_ms": [round(r["median_step_ms"], 1) for r in runs["default"]]},
+        "planned": {"parts": runs["planned"][-1]["parts"], "rank_mapping": runs["planned"][-1]["rank_mapping"],
+                    "runs_ms": [round(r["median_step_ms"], 1) for r in runs["planned"]]},
+        "cluster": os.path.relpath(a.cluster, ROOT) if a.cluster.startswith(ROOT) else a.cluster,
+        "micro_batches": a.micro_batches, "steps": a.steps, "repeats": a.repeats,
+    }
+    emit(result, a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Rank-side script for `pdv bench placement`: time training steps of the demo GPT pipeline, or profile it.
+
+    pdv emulate --cluster C.yaml -- python -m pdv_ext.emulate.train_step_timer train --out r.json [--plan plan.json]
+    pdv emulate --cluster C.yaml -- python -m pdv_ext.emulate.train_step_timer profile --cluster C.yaml --out p.json
+
+`train`: builds the GPT PipelineModule (DeepSpeed's default `parameters` partition, row-major placement) and
+goes through `pdv_ext.initialize`; with `--plan` the `"pdv": {"placement": {"plan": ...}}` section re-partitions
+and re-maps it. Each step starts after a barrier; a step's time is the slowest rank's; rank 0 writes the
+median (and the parts/mapping actually used) to `--out` and prints `median_step_ms`.
+`profile`: only the cluster's reference device (the fastest, unless `reference_throughput` says otherwise)
+profiles the layers under its own CPU quota, so the profile's times are that device's times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def _args(argv):
+    ap = argparse.ArgumentParser(prog="train_step_timer")
+    ap.add_argument("mode", choices=["train", "profile"])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--plan", default=None, help="plan JSON (boundaries + rank_mapping) from pdv plan")
+    ap.add_argument("--cluster", default=None, help="cluster YAML (profile mode: who is the reference device)")
+    ap.add_argument("--stages", type=int, default=2, help="pipeline stages without a plan")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--micro-batches", type=int, default=4, help="gradient accumulation steps per train_batch")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=7, help="profile repetitions per layer")
+    return ap.parse_args(argv)
+
+
+def profile(a) -> int:
+    from ..placement.cluster import Cluster
+    from ..placement.profile import profile_layers
+    from ..models import gpt_layers
+    import torch
+
+    cluster = Cluster.load(a.cluster)
+    rank = int(os.environ.get("RANK", "0"))
+    ref = min(range(len(cluster)), key=lambda i: abs(cluster.speed(i) - 1.0))
+    if rank != ref:
+        return 0
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (a.micro_batch, a.seq_len))
+    prof = profile_layers(gpt_layers(a.layers, a.hidden, a.heads, a.seq_len), ids, reps=a.reps, warmup=2)
+    prof.meta.update({"device_name": os.environ.get("PDV_DEVICE_NAME"), "rank": rank,
+                      "cores": os.environ.get("PDV_DEVICE_CORES")})
+    prof.save(a.out)
+    print(f"profiled {len(prof)} layers on rank {rank}: {sum(l.fwd_bwd for l in prof.layers) * 1e3:.1f} ms fwd+bwd",
+          flush=True)
+    return 0
+
+
+def train(a) -> int:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.pipe import PipelineModule
+
+    import pdv_ext
+    from ..integrations.deepspeed import current_mapping
+    from ..models import ByteWindows, gpt_layers, lm_loss, seed_layer, text_splits
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    world = dist.get_world_size()
+    stages = a.stages
+    pdv = {"aggregation": {"type": "mean"}}
+    if a.plan:
+        with open(a.plan) as f:
+            stages = len(json.load(f)["rank_mapping"])
+        pdv["placement"] = {"plan": a.plan}
+    torch.manual_seed(0)
+    model = PipelineModule(layers=gpt_layers(a.layers, a.hidden, a.heads, a.seq_len), num_stages=stages,
+                           loss_fn=lm_loss, seed_layers=True, seed_fn=seed_layer, partition_method="parameters")
+    cfg = {"train_micro_batch_size_per_gpu": a.micro_batch, "gradient_accumulation_steps": a.micro_batches,
+           "train_batch_size": a.micro_batch * a.micro_batches * (world // stages),
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+           "steps_per_print": 10 ** 9, "pdv": pdv}
+    engine, _, _, _ = pdv_ext.initialize(model=model, config=cfg,
+                                         model_parameters=[p for p in model.parameters() if p.requires_grad])
+    train_text, _ = text_splits()
+    data = ByteWindows(train_text, a.seq_len, a.micro_batch, seed=engine.grid.get_data_parallel_id())
+    times, losses = [], []
+    for step in range(a.warmup + a.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = engine.train_batch(data_iter=data)
+        dt = time.perf_counter() - t0
+        if step >= a.warmup:
+            times.append(dt)
+            losses.append(float(loss))
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        ms = [t * 1e3 for t in slowest.tolist()]
+        out = {"median_step_ms": statistics.median(ms), "step_ms": ms, "parts": [int(p) for p in engine.module.parts],
+               "rank_mapping": current_mapping(engine.module), "stages": engine.num_stages, "losses": losses,
+               "plan": a.plan}
+        with open(a.out, "w") as f:
+            json.dump(out, f)
+        print(f"median_step_ms {out['median_step_ms']:.1f} parts {out['parts']} mapping {out['rank_mapping']}",
+              flush=True)
+    dist.barrier()
+    return 0
+
+
+def main(argv=None) -> int:
+    a = _args(sys.argv[1:] if argv is None else argv)
+    return profile(a) if a.mode == "profile" else train(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
