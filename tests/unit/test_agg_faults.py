@@ -1,0 +1,100 @@
+"""pdv.faults: schema, built-in and user attacks, and the non-finite guard."""
+import pytest
+import torch
+
+from pdv_ext.aggregation import build_aggregator
+from pdv_ext.aggregation.faults import FaultInjector, NonFiniteGradients, NonFiniteGuard
+from pdv_ext.config import validate_pdv
+
+from .test_agg_threadcomm import run_threads
+
+
+def grads(rank):
+    g = torch.Generator().manual_seed(rank)
+    return [torch.randn(30, generator=g), torch.randn(2, 5, generator=g)]
+
+
+def user_attack(ctx):
+    """A user attack: the negated gradient of the next rank (needs the omniscient view)."""
+    other = ctx.all_grads[(ctx.rank + 1) % ctx.size]
+    return [-t + ctx.options.get("shift", 0.0) for t in other]
+
+
+def test_schema_errors():
+    errs = validate_pdv({"faults": {"attack": "gausian", "byzantine_ranks": [-1], "flip_prob": 2}})[1]
+    joined = "\n".join(errs)
+    assert "pdv.faults.attack" in joined and "did you mean 'gaussian'" in joined
+    assert "pdv.faults.byzantine_ranks" in joined and "pdv.faults.flip_prob" in joined
+    assert not validate_pdv({"faults": {"attack": "mypkg.attacks:evil", "byzantine_ranks": [1]}})[1]
+
+
+def corrupt_all(cfg, m=4, step=0):
+    def fn(comm):
+        inj = FaultInjector(cfg, global_rank=comm.rank)
+        return [t.clone() for t in inj.corrupt(grads(comm.rank), comm, step)]
+    return run_threads(m, fn)
+
+
+def test_builtin_attacks_touch_only_byzantine_ranks():
+    honest = [grads(r) for r in range(4)]
+    out = corrupt_all({"byzantine_ranks": [1], "attack": "sign_flip"})
+    assert torch.equal(out[1][0], -honest[1][0]) and torch.equal(out[0][0], honest[0][0])
+    out = corrupt_all({"byzantine_ranks": [2], "attack": "scaled"})
+    mean = sum(h[1] for h in honest) / 4
+    assert torch.allclose(out[2][1], -10 * mean) and torch.equal(out[3][1], honest[3][1])
+    out = corrupt_all({"byzantine_ranks": [0], "attack": "gaussian", "sigma": 5})
+    assert (out[0][0] - honest[0][0]).std() > 2
+    out = corrupt_all({"byzantine_ranks": [3], "attack": "bit_flip", "flip_prob": 0.5})
+    changed = (out[3][0] != honest[3][0]).float().mean()
+    assert 0.2 < changed < 0.8
+    out = corrupt_all({"byzantine_ranks": [3], "attack": "nan"})
+    assert not torch.isfinite(out[3][0]).any()
+    out = corrupt_all({"byzantine_ranks": [1], "attack": "sign_flip", "start_step": 5}, step=4)
+    assert torch.equal(out[1][0], honest[1][0])
+
+
+def test_user_attack_gets_context_with_all_grads():
+    honest = [grads(r) for r in range(3)]
+    out = corrupt_all({"byzantine_ranks": [0], "attack": "tests.unit.test_agg_faults:user_attack",
+                       "options": {"shift": 1.0}}, m=3)
+    assert torch.allclose(out[0][0], -honest[1][0] + 1.0)
+    assert torch.equal(out[2][0], honest[2][0])
+
+
+def test_label_flip_is_a_data_hook():
+    inj = FaultInjector({"byzantine_ranks": [1], "attack": "label_flip", "num_classes": 10}, global_rank=1)
+    y = torch.tensor([0, 3, 9])
+    assert inj.flip_labels(y, 0).tolist() == [9, 6, 0]
+    assert FaultInjector(inj.config, global_rank=0).flip_labels(y, 0).tolist() == [0, 3, 9]
+    batches = list(inj.wrap_data_iter(iter([(torch.zeros(3), y)])))
+    assert batches[0][1].tolist() == [9, 6, 0]
+
+
+@pytest.mark.parametrize("spec", ["mean", {"type": "gossip", "peers": 1, "ratio": 0.5}])
+def test_guard_names_rank_and_step_for_intolerant_aggregators(spec):
+    def fn(comm):
+        agg = build_aggregator(spec)
+        agg.step = 7
+        g = grads(comm.rank)
+        if comm.rank == 2:
+            g[1][0, 0] = float("nan")
+        NonFiniteGuard().run(agg, g, comm)
+
+    with pytest.raises(NonFiniteGradients, match=r"rank\(s\) 2 .*step 7") as info:
+        run_threads(4, fn)
+    assert info.value.ranks == [2] and info.value.step == 7
+
+
+def test_guard_leaves_healthy_mean_bit_identical_and_robust_ones_alone():
+    def fn(comm):
+        plain = build_aggregator("mean")(grads(comm.rank), comm)
+        guarded = NonFiniteGuard().run(build_aggregator("mean"), grads(comm.rank), comm)
+        g = grads(comm.rank)
+        if comm.rank == 0:
+            g[0][:] = float("inf")
+        robust = NonFiniteGuard().run(build_aggregator("median"), g, comm)
+        return plain, guarded, robust
+
+    for plain, guarded, robust in run_threads(3, fn):
+        assert all(torch.equal(a, b) for a, b in zip(plain, guarded))
+        assert all(torch.isfinite(t).all() for t in robust)

@@ -1,0 +1,113 @@
+"""gossip: peer schedule, average preservation, consensus distance, config errors, checkpoints."""
+import pytest
+import torch
+
+from pdv_ext.aggregation import build_aggregator
+from pdv_ext.aggregation.gossip import peer_graph
+from pdv_ext.config import validate_pdv
+from pdv_ext.config_base import ConfigError
+
+from .test_agg_threadcomm import run_threads
+
+
+def grad(rank, step, n=40):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randn(n, generator=g), torch.randn(3, 2, generator=g)]
+
+
+def flat(ts):
+    return torch.cat([t.reshape(-1) for t in ts])
+
+
+@pytest.mark.parametrize("size", [2, 3, 5, 6, 8])
+def test_peer_graph_is_symmetric_seeded_and_has_k_peers(size):
+    for k in range(1, size):
+        for step in range(3):
+            nb = peer_graph(size, k, seed=3, step=step)
+            assert nb == peer_graph(size, k, seed=3, step=step)
+            for r, peers in enumerate(nb):
+                assert r not in peers
+                assert all(r in nb[p] for p in peers)
+                assert len(peers) in ((k,) if (k % 2 == 0 or size % 2 == 0) else (k, k - 1))
+    assert peer_graph(8, 2, 0, 0) != peer_graph(8, 2, 0, 1)  # the schedule changes with the step
+
+
+def test_dense_full_gossip_is_the_exact_mean():
+    m = 4
+
+    def fn(comm):
+        agg = build_aggregator({"type": "gossip", "peers": m - 1, "ratio": 1.0})
+        return flat(agg(grad(comm.rank, 0), comm))
+
+    out = run_threads(m, fn)
+    ref = torch.stack([flat(grad(r, 0)) for r in range(m)]).mean(0)
+    for o in out:
+        assert torch.allclose(o, ref, atol=1e-6)
+
+
+def test_average_is_preserved_and_consensus_distance_bounded_by_sync():
+    m, steps = 6, 12
+
+    def fn(comm):
+        agg = build_aggregator({"type": "gossip", "peers": 2, "ratio": 0.2, "sync_every": 4})
+        applied, dists, synced = torch.zeros(46), [], []
+        for s in range(steps):
+            applied += flat(agg(grad(comm.rank, s), comm))
+            dists.append(agg.report["consensus_distance"])
+            synced.append(agg.report["synced"])
+        return applied, agg.residual.clone(), dists, synced
+
+    res = run_threads(m, fn)
+    total_in = sum(flat(grad(r, s)) for r in range(m) for s in range(steps))
+    total_out = sum(a for a, _, _, _ in res) + sum(e for _, e, _, _ in res)
+    assert torch.allclose(total_out, total_in, atol=1e-4)  # nothing lost: applied + not yet shared
+    dists, synced = res[0][2], res[0][3]
+    assert synced == [(s + 1) % 4 == 0 for s in range(steps)]
+    assert all(d < 1e-6 for d, sy in zip(dists, synced) if sy)
+    assert max(dists) > 0.1  # replicas do differ between syncs ...
+    assert all(r[2] == dists for r in res)  # every rank reports the same number
+
+
+def test_sketch_matches_exact_distance_roughly():
+    m = 4
+
+    def fn(comm):
+        agg = build_aggregator({"type": "gossip", "peers": 1, "ratio": 0.1})
+        for s in range(6):
+            agg(grad(comm.rank, s, n=400), comm)
+        return agg.applied.clone(), agg.report["consensus_distance"]
+
+    res = run_threads(m, fn)
+    u = torch.stack([a for a, _ in res])
+    exact = float((u - u.mean(0)).pow(2).sum(1).mean().sqrt())
+    assert 0.5 * exact < res[0][1] < 1.6 * exact
+
+
+def test_config_errors_name_the_key():
+    errs = validate_pdv({"aggregation": {"type": "gossip", "ratio": 1.5}})[1]
+    assert errs and errs[0].startswith("pdv.aggregation.ratio")
+    assert validate_pdv({"aggregation": {"type": "gossip", "ratio": 0}})[1]
+    assert validate_pdv({"aggregation": {"type": "gossip", "peers": 0}})[1]
+    with pytest.raises(ConfigError, match="pdv.aggregation.peers"):
+        run_threads(3, lambda c: build_aggregator({"type": "gossip", "peers": 3})(grad(c.rank, 0), c))
+
+
+def test_state_dict_resumes_identically_and_set_peers():
+    m = 4
+
+    def fn(comm):
+        a = build_aggregator({"type": "gossip", "peers": 1, "ratio": 0.3, "seed": 5})
+        for s in range(3):
+            a(grad(comm.rank, s), comm)
+        state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in a.state_dict().items()}
+        ref = [flat(a(grad(comm.rank, s), comm)) for s in range(3, 5)]
+        b = build_aggregator({"type": "gossip", "peers": 1, "ratio": 0.3})
+        b.load_state_dict(state)
+        got = [flat(b(grad(comm.rank, s), comm)) for s in range(3, 5)]
+        b.set_peers(3)
+        b(grad(comm.rank, 5), comm)
+        return ref, got, b.report["peers"]
+
+    for ref, got, peers in run_threads(m, fn):
+        assert all(torch.equal(x, y) for x, y in zip(ref, got))
+        assert len(peers) == 3

@@ -1,0 +1,143 @@
+"""median, trimmed_mean, suspicion and zeno on in-process ranks (ThreadComm)."""
+import pytest
+import torch
+
+from pdv_ext.aggregation import build_aggregator
+from pdv_ext.config_base import ConfigError
+from pdv_ext.config import validate_pdv
+
+from .test_agg_threadcomm import run_threads
+
+SHAPES = [(5, 3), (7,), (2, 2, 2)]
+
+
+def grads_of(rank, seed=0, shift=None):
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    base = torch.Generator().manual_seed(seed)
+    out = []
+    for s in SHAPES:
+        honest = torch.randn(s, generator=base)  # the common "true" gradient
+        out.append(honest + 0.1 * torch.randn(s, generator=g))
+    return out
+
+
+def flat(ts):
+    return torch.cat([t.reshape(-1) for t in ts])
+
+
+def run(spec, m, make=grads_of, setup=None):
+    def fn(comm):
+        agg = build_aggregator(dict(spec))
+        if setup:
+            setup(agg, comm)
+        out = agg(make(comm.rank), comm)
+        return flat(out), agg.report
+    return run_threads(m, fn)
+
+
+def test_median_and_trimmed_mean_match_reference_and_replicas_agree():
+    m = 5
+    stack = torch.stack([flat(grads_of(r)) for r in range(m)])
+    med = run({"type": "median"}, m)
+    ref = stack.sort(0).values[m // 2]
+    for out, _ in med:
+        assert torch.equal(out, med[0][0])
+        assert torch.allclose(out, ref)
+    tm = run({"type": "trimmed_mean", "b": 1}, m)
+    ref = stack.sort(0).values[1:-1].mean(0)
+    for out, _ in tm:
+        assert torch.allclose(out, ref, atol=1e-6)
+
+
+def test_even_median_averages_middle_pair():
+    out = run({"type": "median"}, 4, make=lambda r: [torch.tensor([float(r), -float(r)])])
+    assert torch.allclose(out[0][0], torch.tensor([1.5, -1.5]))
+
+
+@pytest.mark.parametrize("spec", [{"type": "median"}, {"type": "trimmed_mean", "b": 1}, {"type": "suspicion", "k": 1},
+                                  {"type": "zeno", "b": 1}])
+def test_nonfinite_rank_never_reaches_output(spec):
+    m = 5
+
+    def make(r):
+        g = grads_of(r)
+        if r == 2:
+            g[0][0, 0] = float("nan")
+            g[1][3] = float("inf")
+        return g
+
+    def setup(agg, comm):
+        if spec["type"] == "zeno":
+            agg.set_validation_grads(grads_of(0, seed=0))
+
+    res = run(spec, m, make=make, setup=setup)
+    for out, rep in res:
+        assert torch.isfinite(out).all()
+        assert 2 in rep["dropped"]
+        assert torch.equal(out, res[0][0])
+    honest = torch.stack([flat(grads_of(r)) for r in range(m) if r != 2]).mean(0)
+    assert (res[0][0] - honest).norm() < 0.2 * honest.norm()
+
+
+def test_trimmed_mean_too_few_ranks_is_config_error():
+    with pytest.raises(ConfigError, match="pdv.aggregation.b"):
+        run({"type": "trimmed_mean", "b": 2}, 4)
+
+
+def test_suspicion_replaces_outlier_and_weights_by_distance():
+    m = 6
+
+    def make(r):
+        g = grads_of(r)
+        return [x * -50 for x in g] if r == 4 else g
+
+    res = run({"type": "suspicion", "k": 1}, m, make=make)
+    out, rep = res[0]
+    assert rep["dropped"] == [4]
+    assert max(range(m), key=lambda i: rep["suspicion"][i]) == 4
+    honest = torch.stack([flat(grads_of(r)) for r in range(m) if r != 4]).mean(0)
+    assert (out - honest).norm() < 0.05 * honest.norm()
+    # identical candidates: the output is the candidate itself
+    same = run({"type": "suspicion", "k": 2}, 5, make=lambda r: grads_of(0))
+    assert torch.allclose(same[0][0], flat(grads_of(0)), atol=1e-6)
+
+
+def test_zeno_drops_attackers_by_validation_score():
+    m, bad = 6, {1, 4}
+
+    def make(r):
+        g = grads_of(r)
+        return [-3 * x for x in g] if r in bad else g
+
+    def setup(agg, comm):
+        agg.set_validation_grads(grads_of(99 + comm.rank, seed=0))  # each rank its own validation batch
+
+    res = run({"type": "zeno", "byzantine": 2}, m, make=make, setup=setup)
+    for out, rep in res:
+        assert set(rep["dropped"]) == bad
+        assert torch.equal(out, res[0][0])
+    honest = torch.stack([flat(grads_of(r)) for r in range(m) if r not in bad]).mean(0)
+    assert torch.allclose(res[0][0], honest, atol=1e-6)
+
+
+def test_zeno_options_and_validation_refresh():
+    assert validate_pdv({"aggregation": {"type": "zeno", "b": 1, "byzantine": 2}})[1]
+    assert validate_pdv({"aggregation": {"type": "zeno", "rho": -1}})[1][0].startswith("pdv.aggregation.rho")
+    calls = []
+
+    def fn(comm):
+        def vfn():
+            calls.append(comm.rank)
+            return grads_of(0)
+        agg = build_aggregator({"type": "zeno", "b": 1, "refresh_every": 2})
+        agg.validation_fn = vfn
+        for _ in range(5):
+            agg(grads_of(comm.rank), comm)
+        return agg.step
+
+    assert run_threads(3, fn) == [5, 5, 5]
+    assert len(calls) == 3 * 3  # steps 0, 2, 4 on each of 3 ranks
+    with pytest.raises(RuntimeError, match="validation"):
+        run({"type": "zeno"}, 3)
+    with pytest.raises(ConfigError, match="pdv.aggregation.b"):
+        run({"type": "zeno", "b": 3}, 3, setup=lambda a, c: a.set_validation_grads(grads_of(0)))
