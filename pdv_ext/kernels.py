@@ -58,7 +58,7 @@ def adasum_combine_torch(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], c
     for i, (x, y) in enumerate(zip(a, b)):
         val = (x.double() * cas[i] + y.double() * cbs[i]).to(x.dtype)
         if out is not None:
-            out[i].copy_(val)
+            out[i].copy_(val.view_as(out[i]))
             val = out[i]
         res.append(val)
     return res
@@ -146,6 +146,7 @@ def extensions_dir() -> str:
 
 
 def _build():
+    import ctypes
     import fcntl
 
     from torch.utils import cpp_extension
@@ -167,13 +168,47 @@ def _build():
                 stale = os.path.join(build_dir, "lock")  # torch's own baton, left behind by a killed build
                 if os.path.exists(stale):
                     os.remove(stale)
-                return cpp_extension.load(name=name, sources=[SOURCE], extra_cflags=_cflags(native),
-                                          build_directory=build_dir, verbose=False)
+                path = cpp_extension.load(name=name, sources=[SOURCE], extra_cflags=_cflags(native),
+                                          build_directory=build_dir, is_python_module=False, verbose=False)
+                path = path or os.path.join(build_dir, name + ".so")
+                return _bind(ctypes.CDLL(path))
             except Exception as e:  # e.g. -march=native unsupported: retry portable
                 last_err = e
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
     raise RuntimeError(f"building {SOURCE} failed: {last_err}")
+
+
+def _bind(lib):
+    import ctypes as C
+
+    P, I64, I = C.c_void_p, C.c_int64, C.c_int
+    sig = {
+        "pdv_adasum_dots": [I, I64, P, P, P, P, I],
+        "pdv_adasum_combine": [I, I64, P, P, P, P, P, P, I],
+        "pdv_topk_error_feedback": [I, P, P, I64, I64, P, P],
+        "pdv_coordinate_median": [I, P, I64, I64, P, I],
+        "pdv_trimmed_mean": [I, P, I64, I64, I64, P, I],
+    }
+    for fn, args in sig.items():
+        getattr(lib, fn).argtypes = args
+        getattr(lib, fn).restype = I
+    return lib
+
+
+def _ptrs(tensors: Sequence[torch.Tensor]):
+    import ctypes
+
+    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+
+
+def _sizes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"pdv_ext.kernels: {what} failed in the C++ kernel")
 
 
 def backend() -> str:
@@ -208,23 +243,40 @@ def _fast(*tensors: torch.Tensor) -> bool:
 
 
 # ---- dispatch -------------------------------------------------------------------------------------
+def _code(t: torch.Tensor) -> int:
+    return 0 if t.dtype == torch.float32 else 1
+
+
 def adasum_dots(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if len(a) and _fast(*a, *b) and all(x.dtype == y.dtype for x, y in zip(a, b)):
-        dot, na, nb = _module().adasum_dots([x.contiguous() for x in a], [y.contiguous() for y in b])
-        return dot, na, nb
+    if (len(a) and len(a) == len(b) and _fast(*a, *b) and all(x.dtype == a[0].dtype for x in (*a, *b))
+            and all(x.numel() == y.numel() for x, y in zip(a, b))):
+        a = [x.contiguous() for x in a]
+        b = [y.contiguous() for y in b]
+        out = torch.empty(3, len(a), dtype=torch.float64)
+        sizes = _sizes(a)  # (kept alive across the call)
+        _check(_module().pdv_adasum_dots(_code(a[0]), len(a), _ptrs(a), _ptrs(b), sizes.data_ptr(),
+                                         out.data_ptr(), torch.get_num_threads()), "adasum_dots")
+        return out[0], out[1], out[2]
     return adasum_dots_torch(a, b)
 
 
 def adasum_combine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ca: torch.Tensor, cb: torch.Tensor,
                    out: Optional[Sequence[torch.Tensor]] = None) -> List[torch.Tensor]:
     outs = list(out) if out is not None else None
-    if (len(a) and _fast(*a, *b, *(outs or [])) and all(x.is_contiguous() for x in (outs or []))
-            and all(x.dtype == y.dtype for x, y in zip(a, b))):
+    if (len(a) and len(a) == len(b) and _fast(*a, *b, *(outs or []))
+            and all(x.dtype == a[0].dtype for x in (*a, *b, *(outs or [])))
+            and all(x.is_contiguous() for x in (outs or []))
+            and all(x.numel() == y.numel() for x, y in zip(a, b))):
+        a = [x.contiguous() for x in a]
+        b = [y.contiguous() for y in b]
         if outs is None:
-            outs = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in a]
+            outs = [torch.empty_like(x) for x in a]
         ca64 = ca.to(torch.float64).contiguous()
         cb64 = cb.to(torch.float64).contiguous()
-        _module().adasum_combine([x.contiguous() for x in a], [y.contiguous() for y in b], ca64, cb64, outs)
+        sizes = _sizes(a)
+        _check(_module().pdv_adasum_combine(_code(a[0]), len(a), _ptrs(a), _ptrs(b), _ptrs(outs),
+                                            sizes.data_ptr(), ca64.data_ptr(), cb64.data_ptr(),
+                                            torch.get_num_threads()), "adasum_combine")
         return outs
     return adasum_combine_torch(a, b, ca, cb, out)
 
@@ -232,7 +284,13 @@ def adasum_combine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ca: tor
 def topk_error_feedback(update: torch.Tensor, residual: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     if (_fast(update, residual) and update.dtype == residual.dtype and residual.is_contiguous()
             and update.numel() == residual.numel()):
-        idx, vals = _module().topk_error_feedback(update.contiguous().reshape(-1), residual.reshape(-1), int(k))
+        update = update.contiguous()
+        n = update.numel()
+        k = max(0, min(int(k), n))
+        idx = torch.empty(k, dtype=torch.int64)
+        vals = torch.empty(k, dtype=update.dtype)
+        _check(_module().pdv_topk_error_feedback(_code(update), update.data_ptr(), residual.data_ptr(), n, k,
+                                                 idx.data_ptr(), vals.data_ptr()), "topk_error_feedback")
         return idx, vals
     return topk_error_feedback_torch(update, residual, k)
 
@@ -240,7 +298,10 @@ def topk_error_feedback(update: torch.Tensor, residual: torch.Tensor, k: int) ->
 def coordinate_median(stack: torch.Tensor) -> torch.Tensor:
     if stack.dim() >= 2 and stack.shape[0] >= 1 and _fast(stack):
         flat = stack.reshape(stack.shape[0], -1).contiguous()
-        return _module().coordinate_median(flat).view(stack.shape[1:])
+        out = torch.empty(flat.shape[1], dtype=flat.dtype)
+        _check(_module().pdv_coordinate_median(_code(flat), flat.data_ptr(), flat.shape[0], flat.shape[1],
+                                               out.data_ptr(), torch.get_num_threads()), "coordinate_median")
+        return out.view(stack.shape[1:])
     return coordinate_median_torch(stack)
 
 
@@ -250,5 +311,8 @@ def trimmed_mean(stack: torch.Tensor, trim: int) -> torch.Tensor:
         raise ValueError(f"trim={trim} leaves nothing of {m} vectors")
     if stack.dim() >= 2 and _fast(stack):
         flat = stack.reshape(m, -1).contiguous()
-        return _module().trimmed_mean(flat, int(trim)).view(stack.shape[1:])
+        out = torch.empty(flat.shape[1], dtype=flat.dtype)
+        _check(_module().pdv_trimmed_mean(_code(flat), flat.data_ptr(), m, flat.shape[1], int(trim),
+                                          out.data_ptr(), torch.get_num_threads()), "trimmed_mean")
+        return out.view(stack.shape[1:])
     return trimmed_mean_torch(stack, trim)
