@@ -111,9 +111,11 @@ class PolicyRunner:
                 continue
             try:
                 out = pol.after_step(metrics) or []
+                resolved = []
                 for a in out:
                     if not isinstance(a, Action):
                         raise TypeError(f"after_step returned {a!r}, not an Action")
+                    resolved.append(self._resolve(a, _name(pol), metrics))
             except Exception as exc:  # a plugin's bug must not kill the run unless asked to
                 err = {"index": i, "policy": _name(pol), "step": step, "error": f"{type(exc).__name__}: {exc}"}
                 errors.append(err)
@@ -121,8 +123,7 @@ class PolicyRunner:
                     stop = f"policy '{err['policy']}' failed at step {step}: {err['error']}"
                     break
                 continue
-            for a in out:
-                actions.append(self._resolve(a, _name(pol), metrics))
+            actions.extend(resolved)
         if not actions and not errors:
             return None
         return {"actions": actions, "errors": errors, "stop": stop}
@@ -133,7 +134,9 @@ class PolicyRunner:
         item: Dict[str, Any] = {"action": d}
         if isinstance(a, SetBatchSize):
             mbs0, mb0, dp = self.applier.batch_geometry()
-            mb, mbs = a.micro_batches or mb0, a.micro_batch_size or mbs0
+            mb, mbs = _or(a.micro_batches, mb0), _or(a.micro_batch_size, mbs0)
+            if mb < 1 or mbs < 1:
+                raise ValueError(f"SetBatchSize: sizes must be >= 1 (got micro_batches={mb}, micro_batch_size={mbs})")
             rule = a.lr_rule or self.lr_scaling
             item["lr_factor"] = lr_factor(rule, mbs0 * mb0 * dp, mbs * mb * dp, metrics.get("gns"))
         return item
@@ -159,7 +162,7 @@ class PolicyRunner:
         ap = self.applier
         if isinstance(action, SetBatchSize):
             mbs0, mb0, _ = ap.batch_geometry()
-            mb, mbs = action.micro_batches or mb0, action.micro_batch_size or mbs0
+            mb, mbs = _or(action.micro_batches, mb0), _or(action.micro_batch_size, mbs0)
             if mb < 1 or mbs < 1:
                 raise ValueError(f"SetBatchSize from '{action.source}': sizes must be >= 1 (got {mb}, {mbs})")
             if (mb, mbs) != (mb0, mbs0):
@@ -238,5 +241,9 @@ class PolicyRunner:
         self.step = state["step"]
 
 
+def _or(value: Optional[int], default: int) -> int:
+    return default if value is None else int(value)
+
+
 def _name(pol: Policy) -> str:
-    return getattr(pol, "plugin_name", None) or getattr(pol, "name", None) or type(pol).__name__
+    return getattr(pol, "plugin_name", None) or type(pol).__dict__.get("name") or type(pol).__name__
