@@ -13,7 +13,7 @@ from typing import List, Optional
 
 V1_ROOT = "/sys/fs/cgroup/cpu"
 V2_ROOT = "/sys/fs/cgroup"
-PERIOD_US = 20000  # short period: smooth throttling, so short measurements already see the quota
+PERIOD_US = 10000  # short period: per-layer timings (ms) see the average quota, not whole throttle gaps
 
 
 class CgroupError(RuntimeError):
