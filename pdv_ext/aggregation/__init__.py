@@ -8,6 +8,7 @@ Standalone use in any torch.distributed program::
 """
 from .base import AGGREGATORS, Aggregator, build_aggregator, register_aggregator
 from . import mean  # noqa: F401  (registers built-ins)
+from . import adasum  # noqa: F401  (registers built-ins)
 from . import robust, suspicion, zeno, gossip  # noqa: F401,E401  (registers built-ins)
 
 __all__ = ["AGGREGATORS", "Aggregator", "build_aggregator", "register_aggregator"]
