@@ -1,0 +1,58 @@
+"""`pdv probe` under `pdv emulate` recovers the emulated link bandwidths and device speeds within 20% (root)."""
+import os
+import secrets
+import subprocess
+import sys
+
+import pytest
+
+from .test_emulate_cluster import REASON, ROOT, _leftovers
+
+pytestmark = [pytest.mark.integration, pytest.mark.root]
+if REASON:
+    pytestmark.append(pytest.mark.skip(reason=f"pdv emulate unavailable: {REASON}"))
+
+# unequal devices, fast intra-host and slow inter-host links, one slower pair
+CLUSTER = """
+devices:
+  - {name: fast0, host: a, throughput: 2.0}
+  - {name: fast1, host: a, throughput: 2.0}
+  - {name: slow0, host: b, throughput: 1.0}
+links:
+  intra_host: {bandwidth: 400 Mbit/s, latency: 50us}
+  inter_host: {bandwidth: 100 Mbit/s, latency: 1ms}
+  pairs:
+    - {a: fast1, b: slow0, bandwidth: 50 Mbit/s}
+"""
+
+
+@pytest.mark.timeout(150)
+def test_probe_recovers_emulated_cluster(tmp_path):
+    pytest.importorskip("pdv_ext.placement.probe", reason="pdv probe is not in this build")
+    from pdv_ext.placement.cluster import Cluster
+
+    src, out = tmp_path / "emulated.yaml", tmp_path / "probed.yaml"
+    src.write_text(CLUSTER)
+    run = f"pdv-{secrets.token_hex(3)}"
+    p = subprocess.run([sys.executable, "-m", "pdv_ext.cli", "emulate", "--cluster", str(src), "--run-name", run,
+                        "--timeout", "120", "--", sys.executable, "-m", "pdv_ext.cli", "probe", "--out", str(out)],
+                       capture_output=True, text=True, timeout=140, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert not _leftovers(run)
+    want, got = Cluster.load(str(src)), Cluster.load(str(out))
+    assert len(got) == len(want)
+    n = len(want)
+    top_want = max(want.devices[i].throughput for i in range(n))
+    top_got = max(got.devices[i].throughput for i in range(n))
+    errors = []
+    for i in range(n):
+        rel_want = want.devices[i].throughput / top_want
+        rel_got = got.devices[i].throughput / top_got
+        if abs(rel_got - rel_want) > 0.2 * rel_want:
+            errors.append(f"device {i} speed {rel_got:.2f} (emulated {rel_want:.2f})")
+        for j in range(n):
+            if i != j:
+                bw_want, bw_got = want.link(i, j).bandwidth, got.link(i, j).bandwidth
+                if abs(bw_got - bw_want) > 0.2 * bw_want:
+                    errors.append(f"link {i}->{j} {bw_got * 8 / 1e6:.0f} Mbit/s (emulated {bw_want * 8 / 1e6:.0f})")
+    assert not errors, "; ".join(errors)
