@@ -39,7 +39,7 @@ class GNSBatchSize(Policy):
         #: LR rule for the changes (None: pdv.policy.lr_scaling)
         lr_rule: Optional[LRRule] = None
         #: fixed share of the step time assumed before two batch sizes were measured
-        prior_overhead: float = Field(0.1, ge=0.0, lt=1.0)
+        prior_overhead: float = Field(0.5, ge=0.0, lt=1.0)
         #: EMA factor for the per-batch-size step times
         time_ema: float = Field(0.8, ge=0.0, lt=1.0)
 

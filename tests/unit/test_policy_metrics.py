@@ -1,0 +1,74 @@
+"""Monitor (combining gathered per-rank scalars, CSV) and `pdv plot metrics`."""
+import csv
+
+import pytest
+import torch
+
+from pdv_ext.comm.base import Comm
+from pdv_ext.policy.config import MonitorConfig
+from pdv_ext.policy.metrics import Monitor, sum_of_squares
+
+
+class RowsComm(Comm):
+    """Rank 0 of a fake group whose other ranks contribute preset rows."""
+
+    def __init__(self, others):
+        self.rank, self.size, self.others = 0, 1 + len(others), others
+
+    def all_gather(self, tensor):
+        return [tensor] + [torch.tensor(r, dtype=torch.float64) for r in self.others]
+
+
+def test_sum_of_squares():
+    ts = [torch.tensor([3.0, 4.0]), torch.ones(2, 2, dtype=torch.float64)]
+    assert float(sum_of_squares(ts)) == 29.0
+    assert float(sum_of_squares([])) == 0.0
+
+
+def test_monitor_combines_ranks_and_writes_csv(tmp_path):
+    # 2 stages x 2 replicas: the other three ranks' (wall, compute, local_sq, agg_sq, loss, dropped, cd, grads)
+    nan = float("nan")
+    others = [[0.5, 0.2, 1.0, 0.5, nan, 1.0, nan, 1.0], [0.4, 0.9, 3.0, 1.5, 2.0, 0.0, 0.25, 1.0],
+              [0.45, 0.1, 2.0, 1.0, 2.0, nan, nan, 1.0]]
+    mon = Monitor(RowsComm(others), dp_size=2, config=MonitorConfig(output_dir=str(tmp_path), ema=0.0,
+                                                                   tensorboard=False))
+    mon.add_local_grads([torch.tensor([2.0])])  # 4
+    mon.add_aggregated_grads([torch.tensor([1.0])])  # 1
+    mon.add_compute(0.3)
+    mon.note(val_loss=1.5)
+    m = mon.end_step(7, 2.0, 0.01, micro_batch_size=4, micro_batches=2, report={"dropped": [3]})
+    assert m["batch_size"] == 16 and m["step"] == 7 and m["loss"] == 2.0 and m["val_loss"] == 1.5
+    assert m["step_time"] == pytest.approx(max(0.5, m["step_times"][0]))
+    assert m["slowest_rank"] == 2 and m["compute_max"] == 0.9
+    assert m["dropped"] == 1.0 and m["consensus_distance"] == 0.25
+    assert m["local_sq"] == pytest.approx((4 + 1 + 3 + 2) / 2) and m["agg_sq"] == pytest.approx((1 + .5 + 1.5 + 1) / 2)
+    g2 = (16 * 2.0 - 8 * 5.0) / 8
+    assert m["grad_sq"] == pytest.approx(g2)  # negative: no GNS
+    assert m["gns"] is None
+    mon.close()
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert rows[0]["step"] == "7" and rows[0]["val_loss"] == "1.5" and "compute_r3" in rows[0]
+
+
+def test_monitor_without_grads_has_no_gns():
+    from pdv_ext.comm import LocalComm
+
+    mon = Monitor(LocalComm(), dp_size=1)
+    m = mon.end_step(1, None, None, 4, 1)
+    assert m["loss"] is None and "gns" not in m and mon.rows[0]["samples"] == 4
+
+
+def test_plot_metrics(tmp_path):
+    from pdv_ext.plot import main, plot_metrics
+
+    p = tmp_path / "metrics.csv"
+    p.write_text("step,loss,batch_size,gns,step_time\n1,3.0,16,,0.1\n2,2.5,16,40,0.1\n3,2.0,32,80,0.2\n")
+    assert plot_metrics(str(p), str(tmp_path / "a.png")) == [
+        "loss", "batch size (samples/step)", "gradient noise scale", "step time (s)"]
+    assert (tmp_path / "a.png").stat().st_size > 1000
+    only_loss = tmp_path / "l.csv"
+    only_loss.write_text("step,loss\n1,2.0\n2,1.0\n")
+    assert main(["metrics", str(only_loss), "--out", str(tmp_path / "b.png")]) == 0
+    bad = tmp_path / "bad.csv"
+    bad.write_text("x,y\n1,2\n")
+    assert main(["metrics", str(bad), "--out", str(tmp_path / "c.png")]) == 2
