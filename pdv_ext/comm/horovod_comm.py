@@ -1,0 +1,166 @@
+"""Comm over horovod.torch collectives and process sets — what `pdv_ext.horovod` runs aggregators on.
+
+Horovod matches collectives across ranks by *name*, so every call gets a deterministic name built from
+the process set, the primitive and the tensor signature that all ranks share. Calls are synchronous, so
+reusing a name for the next call of the same signature is safe, and Horovod's response cache hits on the
+steady-state pattern of a training loop (the same layer sizes every step). The names carry no per-process
+counter: after an elastic reset a fresh worker and a survivor still agree on them.
+
+Horovod has no point-to-point messages: `exchange` is one `alltoall` with per-peer splits over the bytes
+of the tensors (so peers may exchange tensors of mixed dtypes in one call).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+from .base import Comm
+
+
+def _hvd():
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ImportError("HorovodComm needs Horovod with PyTorch support (pip install 'pdv_ext[horovod]')") from exc
+    return hvd
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of `t`'s elements (a copy only when `t` is not contiguous)."""
+    flat = t.contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
+class HorovodComm(Comm):
+    """`HorovodComm(process_set=None)`: the group is a Horovod `ProcessSet` (None = the global set).
+
+    Ranks are ranks within the process set. `rank` and `size` are read from Horovod on every access,
+    so one object stays valid across elastic resets of the global set.
+    """
+
+    backend = "horovod"
+
+    def __init__(self, process_set=None, prefix: str = "pdv"):
+        hvd = _hvd()
+        if not hvd.is_initialized():
+            raise RuntimeError("HorovodComm needs Horovod initialised (call hvd.init() first)")
+        self._hvd = hvd
+        self.process_set = process_set if process_set is not None else hvd.global_process_set
+        if not self.process_set.included():
+            raise ValueError(f"this rank ({hvd.rank()}) is not a member of {self.process_set}")
+        self.prefix = prefix
+        self._ops = {"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min, "avg": hvd.Average}
+
+    # ---- group membership ------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        return int(self.process_set.rank())
+
+    @property
+    def size(self) -> int:  # type: ignore[override]
+        return int(self.process_set.size())
+
+    def _is_global(self) -> bool:
+        return self.process_set.process_set_id == 0
+
+    def global_rank(self, group_rank: int) -> int:
+        """The global Horovod rank of a member of this process set."""
+        if self._is_global():
+            return group_rank
+        return int(self.process_set.ranks[group_rank])
+
+    def _name(self, kind: str, t: Optional[torch.Tensor] = None, shape: bool = True) -> str:
+        sig = ""
+        if t is not None:
+            dims = tuple(t.shape) if shape else tuple(t.shape[1:])
+            sig = f".{str(t.dtype).replace('torch.', '')}.{'x'.join(map(str, dims)) or 's'}"
+        return f"{self.prefix}.ps{self.process_set.process_set_id}.{kind}{sig}"
+
+    # ---- primitives ------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if op not in self._ops:
+            raise ValueError(f"unknown reduction op '{op}' (known: {', '.join(self._ops)})")
+        if self.size == 1:
+            return tensor
+        hvd_op = self._ops[op]
+        if op == "avg" and not tensor.is_floating_point():
+            hvd_op = self._ops["sum"]  # Horovod averages floats only; sum then divide, like TorchComm
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        self._hvd.allreduce_(work, op=hvd_op, name=self._name(f"allreduce.{op}", work),
+                             process_set=self.process_set)
+        if op == "avg" and not tensor.is_floating_point():
+            work.div_(self.size)
+        if work is not tensor:
+            tensor.copy_(work)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
+        if self.size == 1:
+            return [tensor.clone()]
+        work = tensor.contiguous().unsqueeze(0)
+        out = self._hvd.allgather(work, name=self._name("allgather", work, shape=False),
+                                  process_set=self.process_set)
+        return list(out.unbind(0))
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.size == 1:
+            return tensor
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        self._hvd.broadcast_(work, root_rank=self.global_rank(src), name=self._name(f"broadcast.{src}", work),
+                             process_set=self.process_set)
+        if work is not tensor:
+            tensor.copy_(work)
+        return tensor
+
+    def exchange(self, sends: Dict[int, torch.Tensor], recvs: Dict[int, torch.Tensor]) -> None:
+        me, n = self.rank, self.size
+        for peer in list(sends) + list(recvs):
+            if not 0 <= peer < n:
+                raise ValueError(f"exchange: peer {peer} is not a rank of this group (size {n})")
+        if me in sends and me in recvs:
+            recvs[me].copy_(sends[me])
+        if n == 1:
+            return
+        chunks, splits = [], []
+        for peer in range(n):
+            b = _bytes(sends[peer]) if peer in sends and peer != me else torch.empty(0, dtype=torch.uint8)
+            chunks.append(b)
+            splits.append(b.numel())
+        payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+        out, got = self._hvd.alltoall(payload, splits=torch.tensor(splits, dtype=torch.int32),
+                                      name=self._name("alltoall"), process_set=self.process_set)
+        got = [int(x) for x in got.tolist()]
+        offset = 0
+        for peer in range(n):
+            size = got[peer]
+            if peer in recvs and peer != me:
+                dst = recvs[peer]
+                want = dst.numel() * dst.element_size()
+                if size != want:
+                    raise RuntimeError(f"exchange: rank {me} expected {want} bytes from rank {peer}, got {size}")
+                if dst.is_contiguous():
+                    _bytes(dst).copy_(out[offset:offset + size])
+                else:
+                    dst.copy_(out[offset:offset + size].clone().view(dst.dtype).view(dst.shape))
+            elif size:
+                raise RuntimeError(f"exchange: rank {peer} sent {size} bytes to rank {me}, which expected none")
+            offset += size
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self._hvd.barrier(process_set=self.process_set)
+
+    # ---- faster derived helpers (Horovod's allgather takes ragged first dimensions) ----------------
+    def all_gather_varsize(self, tensor: torch.Tensor) -> List[torch.Tensor]:
+        flat = tensor.reshape(-1).contiguous()
+        if self.size == 1:
+            return [flat.clone()]
+        n = torch.tensor([flat.numel()], dtype=torch.int64)
+        sizes = self._hvd.allgather(n, name=self._name("allgather.sizes"), process_set=self.process_set).tolist()
+        out = self._hvd.allgather(flat, name=self._name("allgather.var", flat, shape=False),
+                                  process_set=self.process_set)
+        return list(torch.split(out, [int(s) for s in sizes]))
+
+    def __repr__(self) -> str:
+        return f"HorovodComm(process_set={self.process_set}, rank={self.rank}, size={self.size})"

@@ -1,0 +1,363 @@
+"""Horovod integration: `DistributedOptimizer` with pluggable aggregation, elastic state, policy hook.
+
+Horovod users swap one line::
+
+    optimizer = pdv_ext.horovod.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                                     aggregation="adasum")
+
+Like `hvd.DistributedOptimizer`, the returned object is an instance of a class created on the fly that
+inherits from the user's optimizer class (so `isinstance(opt, torch.optim.Adam)` holds and LR schedulers
+work); we copy our methods into it the way Horovod does and never subclass Horovod's generated class.
+
+Two reduction paths:
+- *native*: `mean` (and `op=hvd.Sum`/`Min`/`Max` without `aggregation`) uses Horovod's own per-parameter
+  asynchronous allreduce started from the gradient hooks, exactly as `hvd.DistributedOptimizer` does — same
+  names, same scaling, same overlap with the backward pass — so weights match Horovod's step for step.
+- *aggregator*: any other aggregator runs at `synchronize()` over all gradients (sorted by parameter name,
+  the same order on every rank) through a `HorovodComm`. Grad hooks (the policy Monitor) also force this
+  path, since they must see the local gradients before reduction.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from ..aggregation import Aggregator, build_aggregator
+from ..aggregation.mean import Mean
+from ..comm.horovod_comm import HorovodComm, _hvd
+
+__all__ = ["DistributedOptimizer", "resolve_aggregation", "register_elastic_handlers"]
+
+
+def resolve_aggregation(aggregation: Any, op: Any, hvd) -> Any:
+    """The aggregator spec for `aggregation` and Horovod's `op` (they may not contradict each other).
+
+    Returns an Aggregator spec, or the Horovod op to reduce with natively (Sum, Min, Max, Product)."""
+    if aggregation is None:
+        if op is None or op == hvd.Average:
+            return "mean"
+        if op == hvd.Adasum:
+            return "adasum"  # ours: any backend, any rank count
+        return op
+    if op is not None and op != hvd.Average:
+        raise ValueError("pass either `aggregation` or a non-default `op` to DistributedOptimizer, not both "
+                         f"(got aggregation={aggregation!r} and op={op!r})")
+    if hasattr(aggregation, "aggregation") and not isinstance(aggregation, dict):  # a whole PDVConfig
+        aggregation = aggregation.aggregation
+    return aggregation
+
+
+class _PDVDistributedOptimizer(torch.optim.Optimizer):
+    """Methods copied into the dynamically created optimizer class (see `DistributedOptimizer`)."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, reduction,
+                 gradient_predivide_factor, sparse_as_dense, process_set, validation_fn):
+        super(self.__class__, self).__init__(params)
+        hvd = _hvd()
+        self._hvd = hvd
+        self._compression = compression
+        self.process_set = process_set
+        self.sparse_as_dense = sparse_as_dense
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.validation_fn = validation_fn
+        if named_parameters is not None:
+            named_parameters = list(named_parameters)
+        else:
+            named_parameters = [(f"allreduce.noname.{i}.{j}", v) for i, group in enumerate(self.param_groups)
+                                for j, v in enumerate(group["params"])]
+        if any(not isinstance(p, tuple) for p in named_parameters):
+            raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, usually "
+                             "model.named_parameters()")
+        names = [k for k, _ in named_parameters]
+        dups = sorted({k for k in names if names.count(k) > 1})
+        if dups:
+            raise ValueError(f"parameter names in named_parameters must be unique; duplicates: {', '.join(dups)}")
+        all_ids = {id(v) for group in self.param_groups for v in group["params"]}
+        unnamed = all_ids - {id(v) for _, v in named_parameters}
+        if unnamed:
+            raise ValueError("named_parameters was given but some optimizer parameters are not named "
+                             f"(ids {sorted(unnamed)})")
+        self._parameter_names = {v: k for k, v in sorted(named_parameters, key=lambda kv: kv[0])}
+        # the order every rank agrees on: by name
+        self._ordered = [v for k, v in sorted(named_parameters, key=lambda kv: kv[0])
+                         if id(v) in all_ids and v.requires_grad]
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self._delay = {p: self.backward_passes_per_step for p in self._ordered}
+        self._handles: Dict[torch.Tensor, Any] = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        self.grad_hooks: List[Any] = []
+        self.comm = HorovodComm(process_set) if process_set.included() else None
+        self.aggregator: Optional[Aggregator] = None
+        self._native_op = None
+        self.set_aggregator(reduction)
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p)) for p in self._ordered]
+
+    # ---- aggregation ------------------------------------------------------------------------------
+    @property
+    def dp_comm(self) -> HorovodComm:
+        """The data-parallel Comm (the same attribute name as PDVPipelineEngine's)."""
+        return self.comm
+
+    def set_aggregator(self, spec: Any) -> Aggregator:
+        """Switch the aggregator; call it on every rank at the same step boundary (the PolicyRunner does)."""
+        if self._handles:
+            raise RuntimeError("set_aggregator() called between backward() and step()")
+        hvd = self._hvd
+        if isinstance(spec, int) and not isinstance(spec, bool):  # a native Horovod op
+            self.aggregator, self._native_op = Mean(), spec
+        else:
+            self.aggregator = build_aggregator(spec)
+            self._native_op = None
+            if type(self.aggregator) is Mean:
+                self._native_op = hvd.Average
+            if self.gradient_predivide_factor != 1.0:
+                if type(self.aggregator) is not Mean:
+                    raise ValueError("gradient_predivide_factor applies to mean aggregation only "
+                                     f"(got aggregation '{self.aggregator.name}')")
+                self.aggregator.options.predivide_factor = self.gradient_predivide_factor
+        return self.aggregator
+
+    def _native(self) -> bool:
+        return self._native_op is not None and not self.grad_hooks
+
+    def _native_scale(self):
+        """Horovod's pre/postscale factors reproducing the Mean options (Horovod adds 1/size for Average)."""
+        hvd = self._hvd
+        if self._native_op != hvd.Average:
+            return self._native_op, 1.0, 1.0
+        opt = self.aggregator.options
+        if opt.prescale:
+            return hvd.Sum, 1.0 / self.comm.size, 1.0
+        return hvd.Average, 1.0 / opt.predivide_factor, opt.predivide_factor
+
+    # ---- gradient hooks (Horovod's mechanics: count backward passes, start the native allreduce) ----
+    def _make_hook(self, p: torch.Tensor) -> Callable:
+        def hook(*_):
+            if self._delay[p] <= 0:
+                raise AssertionError("gradients were computed more than backward_passes_per_step times before "
+                                     "step(); increase backward_passes_per_step to accumulate gradients locally")
+            self._delay[p] -= 1
+            if self._delay[p] == 0 and self._native():
+                self._handles[p] = self._allreduce_async(p)
+        return hook
+
+    def _allreduce_async(self, p: torch.Tensor):
+        if p.grad is None:  # other ranks may have a gradient for it (dynamic graphs)
+            p.grad = torch.zeros_like(p)
+        name = self._parameter_names[p]
+        if p.grad.is_sparse and not self.sparse_as_dense:
+            return self._hvd.sparse_allreduce_async(p.grad, name=name, op=self._native_op,
+                                                    process_set=self.process_set), None
+        tensor = p.grad.to_dense() if p.grad.is_sparse else p.grad
+        compressed, ctx = self._compression.compress(tensor)
+        op, pre, post = self._native_scale()
+        handle = self._hvd.allreduce_async_(compressed, name=name, op=op, prescale_factor=pre,
+                                            postscale_factor=post, process_set=self.process_set)
+        return handle, ctx
+
+    # ---- synchronize / step ------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Finish the reduction of every gradient (Horovod's API: call before clipping, then
+        `with optimizer.skip_synchronize(): optimizer.step()`)."""
+        if not self.process_set.included():
+            self._synchronized = True
+            return
+        if self._native():
+            self._synchronize_native()
+        else:
+            self._synchronize_aggregator()
+        for p in self._ordered:
+            self._delay[p] = self.backward_passes_per_step
+        self._synchronized = True
+
+    def _synchronize_native(self) -> None:
+        for p in self._ordered:
+            if p not in self._handles:
+                self._handles[p] = self._allreduce_async(p)
+        for p, (handle, ctx) in self._handles.items():
+            output = self._hvd.synchronize(handle) if not callable(handle) else handle()
+            if p.grad.is_sparse:
+                out = self._compression.decompress(output, ctx)
+                p.grad.zero_().add_(out if out.is_sparse else out.to_sparse())
+            else:
+                p.grad.set_(self._compression.decompress(output, ctx))
+        self._handles.clear()
+        self.aggregator.step += 1
+
+    def _synchronize_aggregator(self) -> None:
+        params = self._ordered
+        sparse = []
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if p.grad.is_sparse:
+                sparse.append(p)
+                p.grad = p.grad.to_dense()
+        packed = [self._compression.compress(p.grad) for p in params]
+        grads = [t for t, _ in packed]
+        for hook in self.grad_hooks:
+            grads = hook.before(self, grads)
+        if getattr(self.aggregator, "needs_validation", False):
+            if self.validation_fn is None:
+                raise ValueError(f"aggregator '{self.aggregator.name}' needs validation gradients: pass "
+                                 "validation_fn=... (returns one gradient per parameter, in name order)")
+            self.aggregator.set_validation_grads(list(self.validation_fn()))
+        out = self.aggregator(grads, self.comm)
+        for hook in self.grad_hooks:
+            hook.after(self, out)
+        for p, o, (_, ctx) in zip(params, out, packed):
+            g = self._compression.decompress(o, ctx)
+            if g is not p.grad:
+                p.grad.copy_(g)
+        for p in sparse:
+            p.grad = p.grad.to_sparse()
+
+    @contextmanager
+    def skip_synchronize(self):
+        """`optimizer.step()` inside this context does not synchronize (after a manual `synchronize()`)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() after "
+                              "optimizer.synchronize(); gradients are reduced twice")
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, *args, **kwargs):
+        if self._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize()")
+        return super(self.__class__, self).zero_grad(*args, **kwargs)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change gradient accumulation (e.g. after a batch-size policy action), at a step boundary."""
+        if passes <= 0:
+            raise ValueError("backward_passes_per_step must be > 0")
+        self.backward_passes_per_step = int(passes)
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+
+    # ---- state: what elastic commits and checkpoints carry -------------------------------------------
+    def pdv_state_dict(self) -> Dict[str, Any]:
+        """Aggregator (type, options, state: error feedback, RNG, step) and accumulation settings."""
+        agg = self.aggregator
+        return {"aggregator": {"type": agg.name, **agg.options.model_dump()}, "native_op": self._native_op,
+                "aggregator_state": agg.state_dict(), "backward_passes_per_step": self.backward_passes_per_step}
+
+    def load_pdv_state_dict(self, state: Dict[str, Any]) -> None:
+        native = state.get("native_op")
+        spec = native if native is not None and native != self._hvd.Average else dict(state["aggregator"])
+        current = {"type": self.aggregator.name, **self.aggregator.options.model_dump()}
+        if native != self._native_op or current != state["aggregator"]:
+            self.set_aggregator(spec)
+        self.aggregator.load_state_dict(copy.deepcopy(state["aggregator_state"]))
+        self.set_backward_passes_per_step(state.get("backward_passes_per_step", self.backward_passes_per_step))
+
+    def state_dict(self):
+        sd = super(self.__class__, self).state_dict()
+        sd["pdv"] = self.pdv_state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        pdv = state_dict.pop("pdv", None)
+        self._handles = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+        super(self.__class__, self).load_state_dict(state_dict)
+        if pdv is not None:
+            self.load_pdv_state_dict(pdv)
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=None,
+                         backward_passes_per_step: int = 1, op=None, gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0, groups=None, sparse_as_dense: bool = False, process_set=None,
+                         aggregation: Any = None, validation_fn: Optional[Callable[[], List[torch.Tensor]]] = None):
+    """`hvd.DistributedOptimizer` plus `aggregation` (a registered aggregator name, a `{"type": ...,
+    **options}` dict, an Aggregator, or a PDVConfig/`pdv.aggregation` section).
+
+    `op=hvd.Adasum` without `aggregation` selects our `adasum` (any backend and rank count); `op=hvd.Sum`
+    etc. reduce natively. `num_groups`/`groups` are accepted for compatibility; they only change how
+    Horovod fuses messages, not the result, and the native path leaves fusion to Horovod's tensor fusion.
+    `validation_fn()` returns validation gradients for aggregators that need them (zeno).
+    """
+    hvd = _hvd()
+    if not hvd.is_initialized():
+        raise RuntimeError("call hvd.init() before pdv_ext.horovod.DistributedOptimizer")
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    compression = compression if compression is not None else hvd.Compression.none
+    process_set = process_set if process_set is not None else hvd.global_process_set
+    reduction = resolve_aggregation(aggregation, op, hvd)
+    if num_groups:
+        warnings.warn("num_groups is deprecated in Horovod; use groups", DeprecationWarning)
+    if groups is not None and not (isinstance(groups, list) or groups > 0):
+        raise ValueError("groups should be a non-negative integer or a list of lists of torch.Tensor")
+    namespace = dict(_PDVDistributedOptimizer.__dict__)
+    # hvd.broadcast_optimizer_state initialises empty optimizer state by calling the *base* class's
+    # step() when the optimizer's module is Horovod's (a wrapper whose step() is collective); ours is such
+    # a wrapper too, so it gets the same treatment instead of running the aggregator on zero gradients.
+    namespace["__module__"] = "horovod.torch.optimizer"
+    namespace["_pdv_distributed"] = True
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, reduction,
+               gradient_predivide_factor, sparse_as_dense, process_set, validation_fn)
+
+
+# ---- elastic: the pdv part of the optimizer state is broadcast from rank 0 on sync ------------------------
+class _PDVOptimizerMeta(type):
+    def __instancecheck__(cls, obj):
+        return bool(getattr(obj, "_pdv_distributed", False))
+
+
+class PDVOptimizerType(metaclass=_PDVOptimizerMeta):
+    """Matches any optimizer returned by our `DistributedOptimizer` (for Horovod's handler registry)."""
+
+
+_REGISTERED = False
+
+
+def register_elastic_handlers(extra=()) -> None:
+    """Teach `hvd.elastic.TorchState` our objects: the optimizer's pdv state (aggregator type, options,
+    error feedback, RNG, step) follows commit/restore with the optimizer and is taken from rank 0 on sync
+    (a new worker must agree with the others on step and RNG); `extra` adds (type, handler) pairs."""
+    global _REGISTERED
+    from horovod.torch.elastic import state as hstate
+    from horovod.torch.functions import broadcast_object
+
+    class PDVOptimizerStateHandler(hstate.OptimizerStateHandler):
+        def sync(self):
+            super().sync()
+            self.value.load_pdv_state_dict(broadcast_object(self.value.pdv_state_dict(), root_rank=0,
+                                                            name="pdv.elastic.optimizer"))
+
+    registry = list(hstate.get_handler_registry())
+    types = {t for t, _ in registry}
+    new = [(t, h) for t, h in extra if t not in types]
+    if not _REGISTERED:
+        new.append((PDVOptimizerType, PDVOptimizerStateHandler))
+        _REGISTERED = True
+    if new:
+        hstate.set_handler_registry(new + registry)
+
+
+if os.environ.get("PDV_NO_ELASTIC_HANDLERS") != "1":
+    try:
+        register_elastic_handlers()
+    except ImportError:  # pragma: no cover - Horovod without elastic support
+        pass

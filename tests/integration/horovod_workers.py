@@ -1,0 +1,330 @@
+"""Rank-side functions for the Horovod tests, and `run_horovod`, which starts them under real `horovodrun`.
+
+A rank runs `python -m tests.integration.horovod_workers FUNC OUTDIR KWARGS_JSON`: it calls `hvd.init()`,
+`FUNC(**kwargs)`, pickles the return value to OUTDIR/result<rank>.pkl and meets the others at a barrier
+(Horovod shuts down the whole job when one rank leaves early).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# ---- launcher side ----------------------------------------------------------------------------------
+class HorovodRunFailed(RuntimeError):
+    pass
+
+
+def horovodrun_bin() -> str:
+    return os.path.join(os.path.dirname(sys.executable), "horovodrun")
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill horovodrun and every process below it (ranks may sit in their own sessions)."""
+    try:
+        import psutil
+
+        kids = psutil.Process(proc.pid).children(recursive=True)
+    except Exception:
+        kids = []
+    for p in [proc.pid] + [k.pid for k in kids]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    for k in kids:
+        try:
+            k.wait(timeout=5)
+        except Exception:
+            pass
+
+
+def run_command(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None) -> str:
+    """Run `cmd` in its own session; kill the whole tree on timeout; return its output or raise."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(list(cmd), cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            kill_tree(proc)
+        log.seek(0)
+        out = log.read().decode(errors="replace")
+    if rc != 0:
+        reason = f"timed out after {timeout:.0f}s" if rc is None else f"exit code {rc}"
+        tail = "\n".join(out.splitlines()[-60:])
+        raise HorovodRunFailed(f"{' '.join(cmd[:8])} ...: {reason}\n{tail}")
+    return out
+
+
+def run_horovod(func: str, np: int = 2, mode: str = "gloo", kwargs: Optional[Dict[str, Any]] = None,
+                timeout: float = 150.0) -> List[Any]:
+    """Run `func` of this module on `np` local ranks under `horovodrun --gloo|--mpi`; per-rank results."""
+    with tempfile.TemporaryDirectory(prefix="pdv-hvd-") as tmp:
+        cmd = [horovodrun_bin(), "-np", str(np), "-H", f"localhost:{np}", f"--{mode}", "--network-interface", "lo",
+               sys.executable, "-m", "tests.integration.horovod_workers", func, tmp, json.dumps(kwargs or {})]
+        run_command(cmd, timeout)
+        results = []
+        for r in range(np):
+            with open(os.path.join(tmp, f"result{r}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+# ---- rank side --------------------------------------------------------------------------------------
+def _rank_tensor(rank: int, n: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return torch.randn(n, generator=g).to(dtype)
+
+
+def comm_checks() -> Dict[str, Any]:
+    """Every HorovodComm primitive against values computed locally from every rank's known inputs."""
+    import horovod.torch as hvd
+
+    from pdv_ext.comm import HorovodComm
+
+    comm = HorovodComm()
+    r, n = comm.rank, comm.size
+    mine = _rank_tensor(r, 7)
+    every = [_rank_tensor(i, 7) for i in range(n)]
+    out: Dict[str, Any] = {"rank": r, "size": n}
+    for op, ref in [("sum", sum(every)), ("avg", sum(every) / n), ("max", torch.stack(every).max(0).values),
+                    ("min", torch.stack(every).min(0).values)]:
+        out[f"all_reduce_{op}"] = bool(torch.allclose(comm.all_reduce(mine.clone(), op), ref, atol=1e-6))
+    nc = torch.arange(12.0).reshape(3, 4).t()  # non-contiguous in-place reduce
+    comm.all_reduce(nc, "sum")
+    out["all_reduce_noncontig"] = bool(torch.equal(nc, torch.arange(12.0).reshape(3, 4).t() * n))
+    ints = torch.tensor([r + 1], dtype=torch.int64)
+    out["all_reduce_int"] = int(comm.all_reduce(ints, "sum").item()) == n * (n + 1) // 2
+    gathered = comm.all_gather(mine.reshape(7, 1))
+    out["all_gather"] = all(torch.equal(a.reshape(-1), b) for a, b in zip(gathered, every)) and len(gathered) == n
+    b = mine.clone()
+    comm.broadcast(b, src=n - 1)
+    out["broadcast"] = bool(torch.equal(b, every[n - 1]))
+    var = comm.all_gather_varsize(torch.arange(r + 1, dtype=torch.float64))
+    out["varsize"] = [t.tolist() for t in var] == [list(map(float, range(i + 1))) for i in range(n)]
+    out["objects"] = comm.all_gather_object({"r": r}) == [{"r": i} for i in range(n)]
+    out["broadcast_object"] = comm.broadcast_object(("x", r), src=1) == ("x", 1)
+    out["scalars"] = comm.all_reduce_scalars([1.0, float(r)], "sum") == [float(n), float(sum(range(n)))]
+    # exchange: ring with mixed dtypes and sizes that depend on the pair, plus a silent pair
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    sends = {nxt: torch.full((r + 2,), float(r), dtype=torch.float64)}
+    recvs = {prv: torch.empty(prv + 2, dtype=torch.float64)}
+    extra = [i for i in range(n - 1) if n > 2]  # ranks 0..n-2 also send an int16 tensor to rank 0
+    if r in extra:
+        sends[0] = torch.full((3,), r, dtype=torch.int16)
+    if r == 0:
+        recvs.update({i: torch.empty(3, dtype=torch.int16) for i in extra})
+    comm.exchange(sends, recvs)
+    ok = bool(torch.equal(recvs[prv], torch.full((prv + 2,), float(prv), dtype=torch.float64)))
+    if r == 0:
+        ok = ok and all(int(recvs[i][0]) == i for i in extra)
+    out["exchange"] = ok
+    comm.exchange({}, {})  # nobody sends: still a valid collective
+    comm.barrier()
+    # a process set of ranks 1..n-1 (the set is registered on every rank; ops run only on members)
+    ps = _SUBSET
+    if ps is not None and ps.included():
+        sub = HorovodComm(ps)
+        out["subset_rank"] = sub.rank
+        out["subset_sum"] = float(sub.all_reduce(torch.tensor([float(r)]), "sum").item())
+        bb = torch.tensor([float(r)])
+        sub.broadcast(bb, src=0)  # group rank 0 = global rank 1
+        out["subset_bcast"] = float(bb.item())
+        sub.exchange({(sub.rank + 1) % sub.size: torch.tensor([r])}, {(sub.rank - 1) % sub.size: (rv := torch.tensor([0]))})
+        out["subset_exchange"] = int(rv.item())
+    return out
+
+
+_SUBSET = None
+
+
+def _init(func: str) -> None:
+    import horovod.torch as hvd
+
+    global _SUBSET
+    size = int(os.environ.get("HOROVOD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
+    if func == "comm_checks" and size > 2:
+        _SUBSET = hvd.ProcessSet(list(range(1, size)))
+        hvd.init(process_sets=[_SUBSET])
+    else:
+        hvd.init()
+
+
+# -- optimizer ---------------------------------------------------------------------------------------
+def _model(seed: int = 3) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def _batches(rank: int, count: int, seed: int = 0):
+    g = torch.Generator().manual_seed(100 + 17 * rank + seed)
+    return [(torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)) for _ in range(count)]
+
+
+def _train(make_opt, steps: int = 4, passes: int = 1, opt_cls=torch.optim.SGD, **opt_kw):
+    import horovod.torch as hvd
+
+    model = _model()
+    opt = make_opt(opt_cls(model.parameters(), lr=0.1, **opt_kw), model, passes)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    data = _batches(hvd.rank(), steps * passes)
+    history = []
+    for s in range(steps):
+        opt.zero_grad()
+        for k in range(passes):
+            x, y = data[s * passes + k]
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        history.append([p.detach().clone() for p in model.parameters()])
+    return history, opt
+
+
+class _Tap:
+    """A grad hook (same protocol as PDVPipelineEngine.grad_hooks) that records what it sees."""
+
+    def __init__(self):
+        self.before_norms, self.after_norms = [], []
+
+    def before(self, engine, grads):
+        self.before_norms.append(float(sum(g.double().pow(2).sum() for g in grads)))
+        return grads
+
+    def after(self, engine, grads):
+        self.after_norms.append(float(sum(g.double().pow(2).sum() for g in grads)))
+
+
+def optimizer_checks(adasum: bool = False) -> Dict[str, Any]:
+    """Our DistributedOptimizer against Horovod's, step by step; test aggregators; state round trip."""
+    import horovod.torch as hvd
+
+    import pdv_ext.horovod as ph
+    from pdv_ext.aggregation import AGGREGATORS
+
+    names = lambda m: m.named_parameters()  # noqa: E731
+    out: Dict[str, Any] = {"rank": hvd.rank(), "size": hvd.size()}
+    for passes, opt_cls in [(1, torch.optim.SGD), (2, torch.optim.Adam)]:
+        kw = {} if opt_cls is torch.optim.Adam else {"momentum": 0.9}
+        ref, _ = _train(lambda o, m, k: hvd.DistributedOptimizer(o, named_parameters=names(m), backward_passes_per_step=k,
+                                                                 op=hvd.Average), passes=passes, opt_cls=opt_cls, **kw)
+        ours, opt = _train(lambda o, m, k: ph.DistributedOptimizer(o, named_parameters=names(m), backward_passes_per_step=k,
+                                                                   aggregation="mean"), passes=passes, opt_cls=opt_cls, **kw)
+        out[f"mean_equal_p{passes}"] = all(torch.equal(a, b) for sa, sb in zip(ref, ours) for a, b in zip(sa, sb))
+        out[f"mean_native_p{passes}"] = opt._native()
+        out[f"isinstance_p{passes}"] = isinstance(opt, opt_cls)
+
+        # the aggregator path for mean (a grad hook forces it): one flattened SUM then 1/size
+        tap = _Tap()
+
+        def with_tap(o, m, k):
+            opt = ph.DistributedOptimizer(o, named_parameters=names(m), backward_passes_per_step=k, aggregation="mean")
+            opt.grad_hooks.append(tap)
+            return opt
+
+        agg, opt = _train(with_tap, passes=passes, opt_cls=opt_cls, **kw)
+        out[f"mean_agg_maxdiff_p{passes}"] = max(float((a - b).abs().max()) for sa, sb in zip(ref, agg)
+                                                 for a, b in zip(sa, sb))
+        out[f"mean_agg_equal_p{passes}"] = all(torch.equal(a, b) for sa, sb in zip(ref, agg) for a, b in zip(sa, sb))
+        out[f"tap_calls_p{passes}"] = len(tap.before_norms)
+
+    # a test aggregator using exchange (ring neighbours' average) and all_gather to check itself
+    AGGREGATORS.register("hvd_test_ring", RingAverage, override=True)
+    ring, opt = _train(lambda o, m, k: ph.DistributedOptimizer(o, named_parameters=names(m),
+                                                               aggregation={"type": "hvd_test_ring"}), steps=3)
+    out["ring_ok"] = opt.aggregator.ok
+    out["ring_steps"] = opt.aggregator.step
+    out["ring_final"] = [p.tolist() for p in ring[-1]]
+    # the committed state carries the aggregator (type, options, state) and survives a round trip
+    sd = opt.state_dict()
+    opt.aggregator.step = 99
+    opt.load_state_dict(sd)
+    out["state_roundtrip"] = opt.aggregator.step == 3 and sd["pdv"]["aggregator"]["type"] == "hvd_test_ring"
+    opt.load_state_dict({**sd, "pdv": {**sd["pdv"], "aggregator": {"type": "mean"}, "native_op": hvd.Average}})
+    out["state_switch"] = opt.aggregator.name == "mean" and opt._native()
+    if adasum and "adasum" in AGGREGATORS:
+        out.update(_adasum_checks())
+    return out
+
+
+def _adasum_checks() -> Dict[str, Any]:
+    """Our adasum through HorovodComm vs Horovod's Adasum allreduce (MPI, power-of-two ranks)."""
+    import horovod.torch as hvd
+
+    from pdv_ext.aggregation import build_aggregator
+    from pdv_ext.comm import HorovodComm
+
+    tensors = [_rank_tensor(hvd.rank(), n, seed=s) for s, n in enumerate([5, 64, 1000])]
+    ours = build_aggregator("adasum").aggregate([t.clone() for t in tensors], HorovodComm())
+    res: Dict[str, Any] = {"adasum_ran": True}
+    if os.environ.get("OMPI_COMM_WORLD_SIZE") and hvd.size() & (hvd.size() - 1) == 0:
+        theirs = [hvd.allreduce(t.clone(), op=hvd.Adasum, name=f"ref.adasum.{i}") for i, t in enumerate(tensors)]
+        res["adasum_maxdiff"] = max(float((a - b).abs().max()) for a, b in zip(ours, theirs))
+    return res
+
+
+from pdv_ext.aggregation import Aggregator  # noqa: E402
+
+
+class RingAverage(Aggregator):
+    """Test aggregator: the average of my gradient and my ring neighbours' (via `exchange`), checked
+    against the same average computed from `all_gather` — exercises exchange inside an aggregator."""
+
+    name = "hvd_test_ring"
+
+    def __init__(self, options=None, **kw):
+        super().__init__(options, **kw)
+        self.ok = True
+
+    def aggregate(self, grads, comm):
+        r, n = comm.rank, comm.size
+        peers = sorted({(r + 1) % n, (r - 1) % n} - {r})
+        out = []
+        for g in grads:
+            got = {p: torch.empty_like(g) for p in peers}
+            comm.exchange({p: g for p in peers}, got)
+            avg = (g + sum(got.values())) / (1 + len(peers))
+            every = comm.all_gather(g)
+            ref = (every[r] + sum(every[p] for p in peers)) / (1 + len(peers))
+            self.ok = self.ok and bool(torch.allclose(avg, ref))
+            out.append(avg)
+        return out
+
+
+def main(argv: Sequence[str]) -> None:
+    func, outdir, kwargs = argv[0], argv[1], json.loads(argv[2])
+    import horovod.torch as hvd
+
+    _init(func)
+    result = globals()[func](**kwargs)
+    with open(os.path.join(outdir, f"result{hvd.rank()}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    hvd.barrier()
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
