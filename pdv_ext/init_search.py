@@ -162,7 +162,7 @@ def _to(x: Any, device: torch.device) -> Any:
 
 
 def _probe(model: nn.Module, loss_fn: Callable, batches: List[Tuple[Any, Any]], cfg: InitSearchConfig,
-           device: torch.device) -> Tuple[float, float, List[float]]:
+           device: torch.device, score_on: List[Tuple[Any, Any]]) -> Tuple[float, float, List[float]]:
     """Train the loaded model `probe_steps` steps; returns (score, last grad norm, losses)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "adam":
@@ -185,10 +185,10 @@ def _probe(model: nn.Module, loss_fn: Callable, batches: List[Tuple[Any, Any]], 
         opt.step()
     if cfg.score == "mean":
         score = sum(losses) / len(losses)
-    else:  # loss on the probe batches after probing
+    else:  # loss after probing, on the probe batches or on held-out ones
         model.eval()
         with torch.no_grad():
-            score = sum(float(loss_fn(model(_to(x, device)), _to(y, device))) for x, y in batches) / len(batches)
+            score = sum(float(loss_fn(model(_to(x, device)), _to(y, device))) for x, y in score_on) / len(score_on)
     model.train(was_training)
     return (score if math.isfinite(score) else float("inf")), grad_norm, losses
 
@@ -267,10 +267,11 @@ def search_init(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], d
     t0 = time.perf_counter()
     it: Iterator = iter(data_iter)
     try:
-        batches = [next(it) for _ in range(cfg.probe_steps)]
+        batches = [next(it) for _ in range(cfg.probe_steps + cfg.score_batches)]
     except StopIteration:
-        raise ValueError(f"init search: data_iter ended before {cfg.probe_steps} probe batches "
-                         "(pdv.init_search.probe_steps)") from None
+        raise ValueError(f"init search: data_iter ended before {cfg.probe_steps + cfg.score_batches} batches "
+                         "(pdv.init_search.probe_steps + score_batches)") from None
+    batches, score_on = batches[:cfg.probe_steps], (batches[cfg.probe_steps:] or batches[:cfg.probe_steps])
     was_training = model.training
     _broadcast_model(model, comm, 0)  # one shared base: "the model as given" means rank 0's weights
     builder = _Builder(model, _state(model))
@@ -287,7 +288,7 @@ def search_init(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], d
             results = []
             for cand in mine:
                 _load(model, builder.state(cand))
-                score, gnorm, losses = _probe(model, loss_fn, batches, cfg, device)
+                score, gnorm, losses = _probe(model, loss_fn, batches, cfg, device, score_on)
                 results.append({"candidate": cand, "score": score, "grad_norm": gnorm,
                                 "first_loss": losses[0] if losses else float("nan")})
                 if cfg.start_from == "probed" and (best_local is None or (score, cand.id) < best_local[:2]):

@@ -37,6 +37,8 @@ class InitSearchConfig(StrictModel):
     optimizer: Literal["sgd", "adam"] = "sgd"
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum of the probe optimizer")
     score: Literal["final", "mean"] = "final"
+    score_batches: int = Field(0, ge=0, description="extra batches held out of probing to score on (0: the probe "
+                                                    "batches)")
     start_from: Literal["initial", "probed"] = "initial"
 
     @field_validator("schemes")

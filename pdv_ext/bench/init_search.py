@@ -4,8 +4,9 @@ For every seed, data-parallel ranks (pdv_ext.spawn.run_ranks, TorchComm, gradien
 aggregator) train an MLP on scikit-learn's digits for `--steps` steps from
 (a) the model's default initialization, (b) the winner of `pdv_ext.init_search.search_init` (probe cost
 counted in wall time), and (c) the default initialization trained for extra steps that take about the
-probe's wall time ("same wall time" baseline). Reported: held-out loss and accuracy (mean and std over
-seeds), probe and training seconds.
+probe's wall time ("same wall time" baseline). Reported: held-out loss and accuracy after `--steps`
+(mean and std over seeds), the mean held-out curve at 1/8, 1/4, 1/2 and all of the steps (a searched start
+can help early and fade later), probe and training seconds.
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ def _stream(x, y, batch: int, seed: int):
         yield x[idx], y[idx]
 
 
-def _train(model, data, steps: int, lr: float, comm) -> float:
-    """Data-parallel SGD: local gradient, `mean` aggregator over the ranks, step. Returns seconds."""
+def _train(model, data, steps: int, lr: float, comm, eval_at=(), evaluate=None, curve=None) -> float:
+    """Data-parallel SGD: local gradient, `mean` aggregator over the ranks, step. Returns the training
+    seconds (held-out evaluations at the steps in `eval_at` go to `curve` and are not timed)."""
     import torch
     from torch import nn
 
@@ -45,8 +47,9 @@ def _train(model, data, steps: int, lr: float, comm) -> float:
     agg = build_aggregator("mean")
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
-    t0 = time.perf_counter()
-    for _ in range(steps):
+    seconds = 0.0
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
         x, y = next(data)
         opt.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(model(x), y).backward()
@@ -55,7 +58,10 @@ def _train(model, data, steps: int, lr: float, comm) -> float:
             if o is not g:
                 g.copy_(o)
         opt.step()
-    return time.perf_counter() - t0
+        seconds += time.perf_counter() - t0
+        if step in eval_at and curve is not None:
+            curve[step] = evaluate(model)
+    return seconds
 
 
 def _evaluate(model, x, y) -> Dict[str, float]:
@@ -83,7 +89,10 @@ def rank_main(seeds: List[int], steps: int, hidden: int, batch: int, lr: float, 
     shard = torch.arange(comm.rank, len(xtr), comm.size)  # each rank its own part of the training set
     xs, ys = xtr[shard], ytr[shard]
     out: Dict[str, List[Any]] = {"default": [], "searched": [], "same_time": [], "probe_seconds": [],
-                                 "train_seconds": [], "winners": [], "extra_steps": []}
+                                 "train_seconds": [], "winners": [], "extra_steps": [], "default_curve": [],
+                                 "searched_curve": []}
+    eval_at = {max(1, steps * k // 8) for k in (1, 2, 4, 8)}
+    held_out = lambda m: _evaluate(m, xte, yte)
     for i, seed in enumerate(seeds):
         data_seed = 1000 * seed + comm.rank
         arms = ["default", "searched"] if i % 2 == 0 else ["searched", "default"]  # alternate: fair timing
@@ -95,8 +104,10 @@ def rank_main(seeds: List[int], steps: int, hidden: int, batch: int, lr: float, 
                                   comm, {**search, "seed": seed})
                 out["probe_seconds"].append(rep["probe_seconds"])
                 out["winners"].append(rep["winner"]["scheme"] + f"x{rep['winner']['scale']}@r{rep['winner']['round']}")
-            secs = _train(model, _stream(xs, ys, batch, data_seed), steps, lr, comm)
+            curve: Dict[int, Dict[str, float]] = {}
+            secs = _train(model, _stream(xs, ys, batch, data_seed), steps, lr, comm, eval_at, held_out, curve)
             out["train_seconds"].append(secs)
+            out[f"{arm}_curve"].append(curve)
             out[arm].append(_evaluate(model, xte, yte))
         # same wall time: default init, extra steps worth the probe's time
         extra = int(round(out["probe_seconds"][-1] / (max(out["train_seconds"][-2:]) / steps)))
@@ -113,6 +124,12 @@ def rank_main(seeds: List[int], steps: int, hidden: int, batch: int, lr: float, 
     return out
 
 
+def _curve(curves: List[Dict[int, Dict[str, float]]]) -> Dict[str, Dict[str, float]]:
+    """Mean held-out loss and accuracy at each evaluated step, over seeds."""
+    return {str(k): {"loss": statistics.mean(c[k]["loss"] for c in curves), "acc": statistics.mean(c[k]["acc"] for c in curves)}
+            for k in sorted(curves[0])}
+
+
 def _summary(runs: List[Dict[str, float]]) -> Dict[str, Any]:
     loss = [r["loss"] for r in runs]
     acc = [r["acc"] for r in runs]
@@ -126,7 +143,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true", help="2 seeds, few steps: a smoke run")
     ap.add_argument("--ranks", type=int, default=2, help="data-parallel ranks (2-4)")
     ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=60, help="training steps after initialization")
+    ap.add_argument("--steps", type=int, default=160, help="training steps after initialization")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32, help="per-rank batch")
     ap.add_argument("--lr", type=float, default=0.05)
@@ -158,6 +175,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "acc_gain": searched["mean_acc"] - default["mean_acc"],
         "loss_gain_vs_same_time": same["mean_loss"] - searched["mean_loss"],
         "searched_wins": sum(s < d for s, d in zip(searched["losses"], default["losses"])),
+        "curve": {"default": _curve(r0["default_curve"]), "searched": _curve(r0["searched_curve"])},
         "winners": r0["winners"], "search": search,
     }
     assert all(math.isfinite(v) for v in (default["mean_loss"], searched["mean_loss"]))
