@@ -42,10 +42,10 @@ def shares(speeds: List[float], cpu_budget: float, top_share: Optional[float] = 
 
 
 def weight(cores: float, version: int) -> int:
-    """CFS weight for a group allowed `cores`: one core weighs like 16 busy ordinary processes, so quotas, not contention, set the speeds."""
+    """CFS weight for a group allowed `cores`: one core weighs like 64 busy ordinary processes, so quotas, not contention, set the speeds."""
     if version == 1:
-        return max(2, int(16384 * cores))  # cpu.shares, default 1024 per process
-    return max(1, min(10000, int(1600 * cores)))  # cpu.weight, default 100
+        return max(2, min(262144, int(65536 * cores)))  # cpu.shares, default 1024 per process
+    return max(1, min(10000, int(6400 * cores)))  # cpu.weight, default 100
 
 
 class CpuGroups:
@@ -69,7 +69,7 @@ class CpuGroups:
             _write(os.path.join(self.parent, "cgroup.subtree_control"), "+cpu")
             _write(os.path.join(self.parent, "cpu.weight"), str(min(10000, sum(weights))))
         else:
-            _write(os.path.join(self.parent, "cpu.shares"), str(sum(weights)))
+            _write(os.path.join(self.parent, "cpu.shares"), str(min(262144, sum(weights))))
         for i, c in enumerate(self.cores):
             path = os.path.join(self.parent, f"d{i}")
             os.mkdir(path)
