@@ -1,0 +1,64 @@
+"""Aggregators over real ranks: plain torch.distributed (gloo) and DeepSpeed's pipeline engine."""
+import pytest
+import torch
+
+from pdv_ext.spawn import run_ranks
+
+from .agg_workers import rank_grads
+
+pytestmark = pytest.mark.integration
+
+SPECS = [{"type": "mean"}, {"type": "median"}, {"type": "trimmed_mean", "b": 1}, {"type": "suspicion", "k": 1},
+         {"type": "zeno", "b": 1}, {"type": "gossip", "peers": 2, "ratio": 0.3}]
+
+
+def flat(ts):
+    return torch.cat([t.reshape(-1) for t in ts])
+
+
+@pytest.mark.timeout(180)
+def test_aggregators_over_torch_distributed_with_omniscient_attacker():
+    m, bad = 5, 1
+    res = run_ranks("tests.integration.agg_workers:torch_aggregators", m, {"specs": SPECS, "byzantine": bad},
+                    timeout=170)
+    for s in range(3):
+        honest = torch.stack([flat(rank_grads(r, s)) for r in range(m) if r != bad])
+        attack = -10 * torch.stack([flat(rank_grads(r, s)) for r in range(m)]).mean(0)
+        stack = torch.cat([honest, attack[None]])
+        # replicas of every robust aggregator agree; the attacker is filtered out
+        for name in ("median", "trimmed_mean", "suspicion", "zeno"):
+            outs = [r[name]["outs"][s] for r in res]
+            assert all(torch.equal(o, outs[0]) for o in outs), name
+            assert (outs[0] - honest.mean(0)).norm() < 0.25 * honest.mean(0).norm(), name
+        assert torch.allclose(res[0]["median"]["outs"][s], stack.median(0).values, atol=1e-6)
+        assert torch.allclose(res[0]["trimmed_mean"]["outs"][s], stack.sort(0).values[1:-1].mean(0), atol=1e-5)
+        assert res[0]["zeno"]["reports"][s]["dropped"] == [bad]
+        assert res[0]["suspicion"]["reports"][s]["dropped"] == [bad]
+        # the plain mean is dragged the wrong way
+        assert torch.dot(res[0]["mean"]["outs"][s], honest.mean(0)) < 0
+    # gossip over real p2p: nothing lost (applied + not-yet-shared = everything sent in)
+    sent = sum(flat(rank_grads(r, s)) for r in range(m) for s in range(3)) - sum(
+        flat(rank_grads(r, s)) for r in [bad] for s in range(3))
+    sent = sent + sum(-10 * torch.stack([flat(rank_grads(r, s)) for r in range(m)]).mean(0) for s in range(3))
+    total = sum(sum(r["gossip"]["outs"]) + r["gossip"]["residual"] for r in res)
+    assert torch.allclose(total, sent, atol=1e-3)
+    assert res[0]["gossip"]["reports"][2]["consensus_distance"] > 0
+    for r in res:
+        assert "rank(s) 4" in r["nan_error"] and "step 11" in r["nan_error"]
+
+
+@pytest.mark.timeout(300)
+def test_zeno_and_faults_in_the_pipeline_engine():
+    res = run_ranks("tests.integration.agg_workers:pipeline_zeno", 4, {"steps": 4, "refresh_every": 2}, timeout=290)
+    for r in res:
+        assert r["dropped"] == [[1]] * 4, r  # data-parallel rank 1 of each stage is the Byzantine replica
+        assert r["validation_calls"] == 2  # steps 0 and 2
+        assert r["error"] is not None and "rank(s) 1" in r["error"] and "step 4" in r["error"]
+    by_stage = {}
+    for r in res:
+        by_stage.setdefault(r["stage"], []).append(r["weights"])
+    for ws in by_stage.values():  # replicas of a stage stay identical, the attacker's included
+        assert torch.equal(ws[0], ws[1])
+    assert all(torch.isfinite(r["weights"]).all() for r in res)
+    last = [r for r in res if r["stage"] == 1][0]["losses"]
+    assert last[-1] < last[0]
