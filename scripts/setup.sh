@@ -38,7 +38,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-PIP=("$PY" -m pip install -q --disable-pip-version-check)
+PIP=(pip_quiet "$PY" -m pip install -q --disable-pip-version-check)
+# pip's notes about unreachable local indexes of some machines are noise here
+pip_quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 export TORCH_EXTENSIONS_DIR="$ROOT/build/torch_extensions"
 mkdir -p "$TORCH_EXTENSIONS_DIR"
 
