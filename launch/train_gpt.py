@@ -9,7 +9,6 @@ progress (step, loss, tokens/s), evaluates held-out loss, and writes `metrics.cs
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import time
 
@@ -56,39 +55,40 @@ def main() -> None:
 
     def evaluate() -> float:
         held.position = 0  # the same held-out windows every time
-        losses = [float(engine.eval_batch(data_iter=held)) for _ in range(args.eval_batches)]
+        losses = [float(engine.eval_batch(data_iter=held, num_micro_batches=4)) for _ in range(args.eval_batches)]
         return sum(losses) / len(losses)
 
     os.makedirs(args.out, exist_ok=True)
-    rows = []
-    tokens_per_step = engine.train_batch_size() * args.seq_len
+    glue = engine.pdv_policy  # pdv.policy in the config: the Monitor (+ gns_batch_size) — see docs/policy.md
+    if glue is not None:
+        glue.monitor.open(args.out)  # rank 0 writes metrics.csv there
     if rank == 0:
         print(f"[demo] {engine.__class__.__name__}: stages={engine.num_stages} dp={engine.dp_world_size} "
-              f"aggregator={getattr(engine, 'aggregator', None)} tokens/step={tokens_per_step}", flush=True)
+              f"aggregator={getattr(engine, 'aggregator', None)} tokens/step={engine.train_batch_size() * args.seq_len}",
+              flush=True)
     start = time.perf_counter()
+    final = float("nan")
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
         loss = float(engine.train_batch(data_iter=train))
-        dt = time.perf_counter() - t0
-        row = {"step": step, "loss": loss, "step_time_ms": dt * 1e3, "tokens_per_s": tokens_per_step / dt,
-               "lr": engine.get_lr()[0], "eval_loss": ""}
+        m = glue.last_metrics if glue is not None else {"step_time": time.perf_counter() - t0}
+        eval_loss = None
         if step % args.eval_every == 0 or step == args.steps:
-            row["eval_loss"] = evaluate()
-        rows.append(row)
-        if rank == 0 and (step % 10 == 0 or row["eval_loss"] != "" or step == 1):
-            extra = f" held-out {row['eval_loss']:.3f}" if row["eval_loss"] != "" else ""
-            print(f"[demo] step {step:4d}/{args.steps} loss {loss:.3f}{extra} "
-                  f"{row['tokens_per_s']:8.0f} tok/s {row['step_time_ms']:6.0f} ms/step", flush=True)
+            eval_loss = final = evaluate()
+            if glue is not None:
+                glue.monitor.update_last(val_loss=eval_loss)
+        if rank == 0 and (step % 10 == 0 or eval_loss is not None or step == 1):
+            extra = f" held-out {eval_loss:.3f}" if eval_loss is not None else ""
+            gns = f" gns {m['gns']:.0f}" if m.get("gns") is not None else ""
+            print(f"[demo] step {step:4d}/{args.steps} loss {loss:.3f}{extra} batch {engine.train_batch_size()}{gns} "
+                  f"{engine.train_batch_size() * args.seq_len / m['step_time']:8.0f} tok/s "
+                  f"{m['step_time'] * 1e3:6.0f} ms/step", flush=True)
+    if glue is not None:
+        glue.close()
     if rank == 0:
         path = os.path.join(args.out, "metrics.csv")
-        with open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-        final = rows[-1]["eval_loss"]
         print(f"[demo] done in {time.perf_counter() - start:.0f}s: held-out loss {final:.3f} nats/byte "
               f"({final / 0.6931:.2f} bits/byte); metrics in {path}", flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -165,6 +165,23 @@ class Monitor:
         if self._writer is not None:
             self._writer.write(row)
 
+    def update_last(self, **values: Any) -> None:
+        """Add columns to the last recorded row (e.g. a held-out loss evaluated after the step)."""
+        if self.comm.rank != 0 or not self.rows:
+            return
+        self.rows[-1].update(values)
+        if self._writer is not None:
+            self._writer.update_last(values)
+
+    def open(self, output_dir: str) -> None:
+        """Start writing metrics.csv (+ TensorBoard) under `output_dir` (rank 0; earlier rows included)."""
+        if self.comm.rank != 0:
+            return
+        self.close()
+        self._writer = _Writer(output_dir, self.config.tensorboard, self.config.flush_every)
+        for row in self.rows:
+            self._writer.write(row)
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
@@ -199,7 +216,7 @@ class _Writer:
             except ImportError:  # tensorboard not installed: CSV only
                 self.tb = None
 
-    def write(self, row: Dict[str, Any]) -> None:
+    def write(self, row: Dict[str, Any], tb: bool = True) -> None:
         self.rows.append(row)
         new = [k for k in row if k not in self.header]
         if new or self.csv is None:
@@ -216,10 +233,19 @@ class _Writer:
             self.csv.writerow(_fmt(row))
         if len(self.rows) % self.flush_every == 0:
             self.f.flush()
-        if self.tb is not None:
+        if tb and self.tb is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)) and v is not None and math.isfinite(v):
                     self.tb.add_scalar(f"pdv/{k}", v, int(row["step"]))
+
+    def update_last(self, values: Dict[str, Any]) -> None:
+        self.rows[-1].update(values)
+        self.csv = None  # rewrite the file (new columns; rare: evaluations)
+        self.write(self.rows.pop(), tb=False)
+        if self.tb is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(f"pdv/{k}", v, int(self.rows[-1]["step"]))
 
     def close(self) -> None:
         self.f.close()

@@ -72,3 +72,18 @@ def test_plot_metrics(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("x,y\n1,2\n")
     assert main(["metrics", str(bad), "--out", str(tmp_path / "c.png")]) == 2
+
+
+def test_update_last_and_open_later(tmp_path):
+    from pdv_ext.comm import LocalComm
+
+    mon = Monitor(LocalComm(), dp_size=1, config=MonitorConfig(tensorboard=False))
+    mon.end_step(1, 2.0, 0.1, 4, 1)
+    mon.open(str(tmp_path))  # rows so far are written too
+    mon.end_step(2, 1.5, 0.1, 4, 1)
+    mon.update_last(val_loss=1.7)
+    mon.end_step(3, 1.2, 0.1, 4, 1)
+    mon.close()
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [r["step"] for r in rows] == ["1", "2", "3"]
+    assert [r["val_loss"] for r in rows] == ["", "1.7", ""]
