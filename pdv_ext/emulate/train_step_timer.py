@@ -90,26 +90,31 @@ def train(a) -> int:
                                          model_parameters=[p for p in model.parameters() if p.requires_grad])
     train_text, _ = text_splits()
     data = ByteWindows(train_text, a.seq_len, a.micro_batch, seed=engine.grid.get_data_parallel_id())
-    times, losses = [], []
+    times, losses, cpu = [], [], 0.0
     for step in range(a.warmup + a.steps):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = engine.train_batch(data_iter=data)
         dt = time.perf_counter() - t0
         if step >= a.warmup:
             times.append(dt)
+            cpu += time.process_time() - c0
             losses.append(float(loss))
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    # CPU each rank used per second of training: compare with its quota (PDV_DEVICE_CORES)
+    share = torch.zeros(world, dtype=torch.float64)
+    share[dist.get_rank()] = cpu / sum(times)
+    dist.all_reduce(share)
     if dist.get_rank() == 0:
         ms = [t * 1e3 for t in slowest.tolist()]
         out = {"median_step_ms": statistics.median(ms), "step_ms": ms, "parts": [int(p) for p in engine.module.parts],
                "rank_mapping": current_mapping(engine.module), "stages": engine.num_stages, "losses": losses,
-               "plan": a.plan}
+               "plan": a.plan, "cpu_share": [round(x, 3) for x in share.tolist()]}
         with open(a.out, "w") as f:
             json.dump(out, f)
-        print(f"median_step_ms {out['median_step_ms']:.1f} parts {out['parts']} mapping {out['rank_mapping']}",
-              flush=True)
+        print(f"median_step_ms {out['median_step_ms']:.1f} parts {out['parts']} mapping {out['rank_mapping']} "
+              f"cpu used per rank {out['cpu_share']}", flush=True)
     dist.barrier()
     return 0
 
