@@ -135,3 +135,13 @@ def test_config_errors_name_the_key():
 def test_short_data_iterator_is_a_clear_error():
     with pytest.raises(ValueError, match="probe_steps"):
         search_init(tiny_model(), nn.functional.cross_entropy, iter([next(batches())]), None, CFG)
+
+
+def test_score_batches_are_held_out_of_probing():
+    m = tiny_model()
+    cfg = {**CFG, "rounds": 1, "score_batches": 2, "start_from": "probed"}
+    rep = search_init(m, nn.functional.cross_entropy, batches(), None, cfg)
+    held = [b for _, b in zip(range(5), batches())][3:]  # 3 probe batches, then the 2 scored ones
+    with torch.no_grad():
+        loss = sum(float(nn.functional.cross_entropy(m(a), b)) for a, b in held) / 2
+    assert loss == pytest.approx(rep["winner"]["score"], rel=1e-5)
