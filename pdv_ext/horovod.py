@@ -5,6 +5,7 @@
                                              aggregation="adasum")
 """
 from .comm.horovod_comm import HorovodComm
-from .integrations.horovod import DistributedOptimizer, register_elastic_handlers, resolve_aggregation
+from .integrations.horovod import (DistributedOptimizer, HorovodApplier, PolicyHook, register_elastic_handlers,
+                                   resolve_aggregation)
 
-__all__ = ["DistributedOptimizer", "HorovodComm", "register_elastic_handlers", "resolve_aggregation"]
+__all__ = ["DistributedOptimizer", "HorovodApplier", "HorovodComm", "PolicyHook", "register_elastic_handlers", "resolve_aggregation"]

@@ -31,7 +31,7 @@ from ..aggregation import Aggregator, build_aggregator
 from ..aggregation.mean import Mean
 from ..comm.horovod_comm import HorovodComm, _hvd
 
-__all__ = ["DistributedOptimizer", "resolve_aggregation", "register_elastic_handlers"]
+__all__ = ["DistributedOptimizer", "PolicyHook", "HorovodApplier", "resolve_aggregation", "register_elastic_handlers"]
 
 
 def resolve_aggregation(aggregation: Any, op: Any, hvd) -> Any:
@@ -56,7 +56,7 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
     """Methods copied into the dynamically created optimizer class (see `DistributedOptimizer`)."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, reduction,
-                 gradient_predivide_factor, sparse_as_dense, process_set, validation_fn):
+                 gradient_predivide_factor, sparse_as_dense, process_set, validation_loss):
         super(self.__class__, self).__init__(params)
         hvd = _hvd()
         self._hvd = hvd
@@ -64,7 +64,7 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
         self.process_set = process_set
         self.sparse_as_dense = sparse_as_dense
         self.gradient_predivide_factor = float(gradient_predivide_factor)
-        self.validation_fn = validation_fn
+        self.validation_loss = validation_loss
         if named_parameters is not None:
             named_parameters = list(named_parameters)
         else:
@@ -121,7 +121,17 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
                     raise ValueError("gradient_predivide_factor applies to mean aggregation only "
                                      f"(got aggregation '{self.aggregator.name}')")
                 self.aggregator.options.predivide_factor = self.gradient_predivide_factor
+            if self.aggregator.needs_validation and self.validation_loss is not None \
+                    and getattr(self.aggregator, "validation_fn", None) is None:
+                self.aggregator.validation_fn = self.validation_gradients
         return self.aggregator
+
+    def validation_gradients(self) -> List[torch.Tensor]:
+        """This rank's gradient of `validation_loss()` (torch.autograd.grad: `.grad` and the backward-pass
+        count are untouched), one tensor per parameter in the aggregation order."""
+        loss = self.validation_loss()
+        grads = torch.autograd.grad(loss, self._ordered, allow_unused=True)
+        return [torch.zeros_like(p) if g is None else g for p, g in zip(self._ordered, grads)]
 
     def _native(self) -> bool:
         return self._native_op is not None and not self.grad_hooks
@@ -203,11 +213,10 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
         grads = [t for t, _ in packed]
         for hook in self.grad_hooks:
             grads = hook.before(self, grads)
-        if getattr(self.aggregator, "needs_validation", False):
-            if self.validation_fn is None:
-                raise ValueError(f"aggregator '{self.aggregator.name}' needs validation gradients: pass "
-                                 "validation_fn=... (returns one gradient per parameter, in name order)")
-            self.aggregator.set_validation_grads(list(self.validation_fn()))
+        if self.aggregator.needs_validation and getattr(self.aggregator, "validation_fn", None) is None \
+                and getattr(self.aggregator, "_v", None) is None:
+            raise ValueError(f"aggregator '{self.aggregator.name}' needs validation gradients: pass "
+                             "validation_loss=<callable returning the loss on a trusted batch> to DistributedOptimizer")
         out = self.aggregator(grads, self.comm)
         for hook in self.grad_hooks:
             hook.after(self, out)
@@ -287,14 +296,15 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step: int = 1, op=None, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups=None, sparse_as_dense: bool = False, process_set=None,
-                         aggregation: Any = None, validation_fn: Optional[Callable[[], List[torch.Tensor]]] = None):
+                         aggregation: Any = None, validation_loss: Optional[Callable[[], torch.Tensor]] = None):
     """`hvd.DistributedOptimizer` plus `aggregation` (a registered aggregator name, a `{"type": ...,
     **options}` dict, an Aggregator, or a PDVConfig/`pdv.aggregation` section).
 
     `op=hvd.Adasum` without `aggregation` selects our `adasum` (any backend and rank count); `op=hvd.Sum`
     etc. reduce natively. `num_groups`/`groups` are accepted for compatibility; they only change how
     Horovod fuses messages, not the result, and the native path leaves fusion to Horovod's tensor fusion.
-    `validation_fn()` returns validation gradients for aggregators that need them (zeno).
+    `validation_loss()` returns the loss on a trusted validation batch, for aggregators that score
+    candidates against a validation gradient (zeno; refreshed every `refresh_every` steps).
     """
     hvd = _hvd()
     if not hvd.is_initialized():
@@ -316,7 +326,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     namespace["_pdv_distributed"] = True
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, reduction,
-               gradient_predivide_factor, sparse_as_dense, process_set, validation_fn)
+               gradient_predivide_factor, sparse_as_dense, process_set, validation_loss)
 
 
 # ---- elastic: the pdv part of the optimizer state is broadcast from rank 0 on sync ------------------------
@@ -360,4 +370,213 @@ if os.environ.get("PDV_NO_ELASTIC_HANDLERS") != "1":
     try:
         register_elastic_handlers()
     except ImportError:  # pragma: no cover - Horovod without elastic support
+        pass
+
+
+# ---- policies: the same Monitor and PolicyRunner as in the DeepSpeed engine --------------------------
+class HorovodApplier:
+    """Applies PolicyRunner actions to a Horovod training loop (every rank, at a step boundary).
+
+    Micro-batches per step are the optimizer's `backward_passes_per_step` (the loop must read it each
+    step, e.g. through `PolicyHook.micro_batches`); a new micro-batch size goes to the data iterator
+    (`set_micro_batch_size`, e.g. pdv_ext.policy.data.ElasticBatches) and to `PolicyHook.micro_batch_size`.
+    """
+
+    num_stages = 1
+
+    def __init__(self, hook: "PolicyHook"):
+        self.hook = hook
+
+    def batch_geometry(self):
+        h = self.hook
+        return int(h.micro_batch_size), int(h.optimizer.backward_passes_per_step), int(h.comm.size)
+
+    def set_batch_size(self, micro_batches: int, micro_batch_size: int) -> None:
+        h = self.hook
+        if micro_batch_size != h.micro_batch_size:
+            if h.data is not None and hasattr(h.data, "set_micro_batch_size"):
+                h.data.set_micro_batch_size(micro_batch_size)
+            elif h.data is not None:
+                warnings.warn("the micro-batch size changed but the data iterator cannot follow: use "
+                              "pdv_ext.policy.data.ElasticBatches so that no sample is lost or repeated")
+            h.micro_batch_size = int(micro_batch_size)
+        h.optimizer.set_backward_passes_per_step(micro_batches)
+
+    def get_lr(self) -> List[float]:
+        return [float(g["lr"]) for g in self.hook.optimizer.param_groups]
+
+    def set_lr(self, lrs) -> None:
+        for g, lr in zip(self.hook.optimizer.param_groups, lrs):
+            g["lr"] = lr
+
+    def set_aggregator(self, spec: Any) -> None:
+        self.hook.optimizer.set_aggregator(spec)
+
+    def set_gossip_peers(self, peers: int) -> None:
+        agg = self.hook.optimizer.aggregator
+        if not hasattr(agg, "set_peers"):
+            raise ValueError(f"SetGossipPeers: the aggregator '{agg.name}' has no peers (switch to gossip first)")
+        agg.set_peers(peers)
+
+
+class _MonitorTap:
+    """Grad hook on the optimizer: compute time up to the reduction, |g|² before and after it."""
+
+    def __init__(self, hook: "PolicyHook"):
+        self.hook = hook
+
+    def before(self, optimizer: Any, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        import time
+
+        h = self.hook
+        h.monitor.add_compute(time.perf_counter() - h._t0)
+        h.monitor.add_local_grads(grads)
+        return grads
+
+    def after(self, optimizer: Any, grads: List[torch.Tensor]) -> None:
+        self.hook.monitor.add_aggregated_grads(grads)
+
+
+class PolicyHook:
+    """Runs the Monitor and the PolicyRunner (built-in and plugin policies, unchanged) in a Horovod loop.
+
+        hook = PolicyHook(optimizer, config="horovod.yaml", micro_batch_size=32, data=batches)
+        for step in range(steps):
+            for _ in range(hook.micro_batches):        # policies may change it
+                x, y = next(batches); loss = F.cross_entropy(model(x), y); loss.backward()
+            optimizer.step(); optimizer.zero_grad()
+            hook.after_step(loss.item())              # collective: every rank, every step
+
+    `config` is a PolicyConfig, a PDVConfig, a dict or a file holding the pdv section (or None: monitor
+    only). Under `hvd.elastic.run` pass the hook to `TorchState(..., policy=hook)`: its state (policies,
+    monitor, batch geometry, data position) is committed, restored, and taken from rank 0 on sync.
+    """
+
+    def __init__(self, optimizer: Any, config: Any = None, micro_batch_size: int = 1, data: Any = None,
+                 comm: Optional[HorovodComm] = None):
+        from ..policy.base import build_policy
+        from ..policy.config import PolicyConfig
+        from ..policy.metrics import Monitor
+        from ..policy.runner import PolicyRunner
+
+        if not getattr(optimizer, "_pdv_distributed", False):
+            raise TypeError("PolicyHook needs an optimizer from pdv_ext.horovod.DistributedOptimizer")
+        cfg = config
+        if cfg is None:
+            cfg = PolicyConfig()
+        elif not isinstance(cfg, PolicyConfig):
+            if hasattr(cfg, "policy") and not isinstance(cfg, dict):
+                cfg = cfg.policy
+            else:
+                from ..config import load_pdv
+
+                cfg = load_pdv(cfg).policy
+        self.cfg: PolicyConfig = cfg
+        self.optimizer = optimizer
+        self.comm = comm or optimizer.comm
+        self.micro_batch_size = int(micro_batch_size)
+        self.data = data
+        self.step = 0
+        self.monitor = Monitor(self.comm, self.comm.size, cfg.monitor)
+        self.applier = HorovodApplier(self)
+        policies = [build_policy(p) for p in cfg.plugins]
+        self.runner = (PolicyRunner(policies, self.comm, self.applier, cfg.on_error, cfg.every, cfg.lr_scaling)
+                       if policies else None)
+        self.last_metrics: Dict[str, Any] = {}
+        optimizer.grad_hooks.append(_MonitorTap(self))
+        self._begun = False
+        self._t0 = 0.0
+        self._restart_clock()
+
+    @property
+    def micro_batches(self) -> int:
+        """Backward passes to run this step (gradient accumulation; a SetBatchSize action changes it)."""
+        return int(self.optimizer.backward_passes_per_step)
+
+    def _restart_clock(self) -> None:
+        import time
+
+        self._t0 = time.perf_counter()
+        self.monitor.begin_step()
+
+    def on_train_begin(self) -> None:
+        """Policies' `on_train_begin` (called by the first `after_step` if you do not call it)."""
+        self._begun = True
+        if self.runner is not None:
+            self.runner.on_train_begin(self.step)
+
+    def after_step(self, loss: Any = None) -> Dict[str, Any]:
+        """Collective: gather the step's metrics, run the policies, apply their actions on every rank.
+        Returns the step's metrics (identical on all ranks)."""
+        if not self._begun:
+            self.on_train_begin()
+        self.monitor.dp_size = self.comm.size  # elastic: the world may have changed
+        mbs, mb, _ = self.applier.batch_geometry()
+        lrs = self.applier.get_lr()
+        loss = float(loss) if loss is not None else None
+        m = self.monitor.end_step(self.step, loss, lrs[0] if lrs else None, mbs, mb,
+                                  getattr(self.optimizer.aggregator, "report", None))
+        if self.runner is not None:
+            m["actions"] = [a.to_dict() for a in self.runner.after_step(m)]
+        self.step += 1
+        self.last_metrics = m
+        self._restart_clock()
+        return m
+
+    def close(self) -> None:
+        self.monitor.close()
+
+    # ---- state (elastic commits, checkpoints) -------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {"step": self.step, "monitor": self.monitor.state_dict(),
+                "runner": self.runner.state_dict() if self.runner is not None else None,
+                "micro_batch_size": self.micro_batch_size, "micro_batches": self.micro_batches,
+                "data": self.data.state_dict() if hasattr(self.data, "state_dict") else None}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.monitor.load_state_dict(state["monitor"])
+        if self.runner is not None and state.get("runner") is not None:
+            self.runner.load_state_dict(state["runner"])
+        self.micro_batch_size = int(state["micro_batch_size"])
+        self.optimizer.set_backward_passes_per_step(int(state["micro_batches"]))
+        if state.get("data") is not None and hasattr(self.data, "load_state_dict"):
+            self.data.load_state_dict(state["data"])
+        self._begun = False  # policies see on_train_begin again, after their state is restored
+        self._restart_clock()
+
+    def on_reset(self) -> None:
+        """After an elastic reset: the data iterator follows the new rank and world size."""
+        if self.data is not None and hasattr(self.data, "dp_size"):
+            self.data.set_micro_batch_size(self.micro_batch_size)  # re-base at the committed position
+            self.data.dp_rank, self.data.dp_size = self.comm.rank, self.comm.size
+
+
+def _register_policy_handler() -> None:
+    from horovod.torch.elastic import state as hstate
+    from horovod.torch.functions import broadcast_object
+
+    class PolicyHookStateHandler(hstate.StateHandler):
+        def __init__(self, value):
+            super().__init__(value)
+            self.save()
+
+        def save(self):
+            self._saved = copy.deepcopy(self.value.state_dict())
+
+        def restore(self):
+            self.value.load_state_dict(copy.deepcopy(self._saved))
+
+        def sync(self):
+            state = broadcast_object(self.value.state_dict(), root_rank=0, name="pdv.elastic.policy")
+            self.value.load_state_dict(state)
+            self.value.on_reset()
+
+    register_elastic_handlers([(PolicyHook, PolicyHookStateHandler)])
+
+
+if os.environ.get("PDV_NO_ELASTIC_HANDLERS") != "1":
+    try:
+        _register_policy_handler()
+    except ImportError:  # pragma: no cover
         pass

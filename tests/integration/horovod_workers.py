@@ -81,12 +81,12 @@ def run_command(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]
 
 
 def run_horovod(func: str, np: int = 2, mode: str = "gloo", kwargs: Optional[Dict[str, Any]] = None,
-                timeout: float = 150.0) -> List[Any]:
+                timeout: float = 150.0, env: Optional[Dict[str, str]] = None) -> List[Any]:
     """Run `func` of this module on `np` local ranks under `horovodrun --gloo|--mpi`; per-rank results."""
     with tempfile.TemporaryDirectory(prefix="pdv-hvd-") as tmp:
         cmd = [horovodrun_bin(), "-np", str(np), "-H", f"localhost:{np}", f"--{mode}", "--network-interface", "lo",
                sys.executable, "-m", "tests.integration.horovod_workers", func, tmp, json.dumps(kwargs or {})]
-        run_command(cmd, timeout)
+        run_command(cmd, timeout, env)
         results = []
         for r in range(np):
             with open(os.path.join(tmp, f"result{r}.pkl"), "rb") as f:
@@ -167,7 +167,7 @@ def _init(func: str) -> None:
 
     global _SUBSET
     size = int(os.environ.get("HOROVOD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
-    if func == "comm_checks" and size > 2:
+    if func in ("comm_checks", "all_checks") and size > 2:
         _SUBSET = hvd.ProcessSet(list(range(1, size)))
         hvd.init(process_sets=[_SUBSET])
     else:
@@ -218,7 +218,7 @@ class _Tap:
         self.after_norms.append(float(sum(g.double().pow(2).sum() for g in grads)))
 
 
-def optimizer_checks(adasum: bool = False) -> Dict[str, Any]:
+def optimizer_checks(adasum: bool = False, quick: bool = False) -> Dict[str, Any]:
     """Our DistributedOptimizer against Horovod's, step by step; test aggregators; state round trip."""
     import horovod.torch as hvd
 
@@ -227,7 +227,7 @@ def optimizer_checks(adasum: bool = False) -> Dict[str, Any]:
 
     names = lambda m: m.named_parameters()  # noqa: E731
     out: Dict[str, Any] = {"rank": hvd.rank(), "size": hvd.size()}
-    for passes, opt_cls in [(1, torch.optim.SGD), (2, torch.optim.Adam)]:
+    for passes, opt_cls in [(1, torch.optim.SGD), (2, torch.optim.Adam)][:1 if quick else 2]:
         kw = {} if opt_cls is torch.optim.Adam else {"momentum": 0.9}
         ref, _ = _train(lambda o, m, k: hvd.DistributedOptimizer(o, named_parameters=names(m), backward_passes_per_step=k,
                                                                  op=hvd.Average), passes=passes, opt_cls=opt_cls, **kw)
@@ -251,6 +251,8 @@ def optimizer_checks(adasum: bool = False) -> Dict[str, Any]:
         out[f"mean_agg_equal_p{passes}"] = all(torch.equal(a, b) for sa, sb in zip(ref, agg) for a, b in zip(sa, sb))
         out[f"tap_calls_p{passes}"] = len(tap.before_norms)
 
+    if quick:
+        return {**out, **(_adasum_checks() if adasum else {})}
     # a test aggregator using exchange (ring neighbours' average) and all_gather to check itself
     AGGREGATORS.register("hvd_test_ring", RingAverage, override=True)
     ring, opt = _train(lambda o, m, k: ph.DistributedOptimizer(o, named_parameters=names(m),
@@ -286,6 +288,103 @@ def _adasum_checks() -> Dict[str, Any]:
     return res
 
 
+def policy_checks(steps: int = 6) -> Dict[str, Any]:
+    """PolicyHook: built-in `schedule` and the plugin template change batch size, aggregator and LR on
+    every rank at the same step; the data position counts every sample once."""
+    import horovod.torch as hvd
+
+    import pdv_ext.horovod as ph
+    from pdv_ext.policy.data import ElasticBatches
+
+    model = _model()
+    g = torch.Generator().manual_seed(5)
+    xs, ys = torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g)
+    data = ElasticBatches((xs, ys), micro_batch_size=4, dp_rank=hvd.rank(), dp_size=hvd.size(), seed=1, record=True)
+    xv, yv = xs[:8], ys[:8]
+    opt = ph.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
+                                  aggregation="mean",
+                                  validation_loss=lambda: torch.nn.functional.cross_entropy(model(xv), yv))
+    cfg = {"policy": {"plugins": [
+        {"name": "schedule", "changes": [{"step": 0, "micro_batches": 2, "lr_rule": "linear"},
+                                         {"step": 1, "aggregator": {"type": "gossip", "peers": 1, "ratio": 0.5}},
+                                         {"step": 2, "gossip_peers": 1},
+                                         {"step": 3, "aggregator": {"type": "zeno", "b": 1}},
+                                         {"step": 4, "micro_batch_size": 2, "aggregator": "adasum"}]},
+        {"name": "launch.my_policy:PlateauLR", "patience": 1, "factor": 0.5, "min_delta": 100.0}]}}
+    hook = ph.PolicyHook(opt, config=cfg, micro_batch_size=4, data=data)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    aggs, passes, samples = [], [], 0
+    for _ in range(steps):
+        opt.zero_grad()
+        for _ in range(hook.micro_batches):
+            x, y = next(data)
+            samples += len(x)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+        opt.step()
+        aggs.append(opt.aggregator.name)
+        passes.append(hook.micro_batches)
+        m = hook.after_step(loss.item())
+    state = hook.state_dict()
+    return {"rank": hvd.rank(), "log": hook.runner.action_log, "aggs": aggs, "passes": passes,
+            "errors": hook.runner.errors, "lr": opt.param_groups[0]["lr"], "samples": samples,
+            "seen": sorted(data.seen), "position": data.position, "gns": m.get("gns"), "loss": m.get("loss"),
+            "state_keys": sorted(state), "weights": [p.detach().clone() for p in model.parameters()]}
+
+
+def mpi_checks() -> Dict[str, Any]:
+    return {"comm": comm_checks(), "optimizer": optimizer_checks(adasum=True, quick=True)}
+
+
+def all_checks(adasum: bool = True) -> Dict[str, Any]:
+    """One launch, three groups of checks (a horovodrun start costs seconds on a busy machine)."""
+    return {"comm": comm_checks(), "optimizer": optimizer_checks(adasum=adasum), "policy": policy_checks()}
+
+
+def elastic_train(outdir: str, target: int = 96, kill_rank: int = 1, kill_step: int = 3,
+                  aggregation: str = "adasum") -> Dict[str, Any]:
+    """Elastic training to a fixed number of samples. The rank `kill_rank` writes its pid at step
+    `kill_step` (after a commit) and waits to be killed by the test; the others continue."""
+    import horovod.torch as hvd
+
+    import pdv_ext.horovod as ph
+    from pdv_ext.policy.data import ElasticBatches
+
+    model = _model()
+    g = torch.Generator().manual_seed(5)
+    xs, ys = torch.randn(48, 6, generator=g), torch.randint(0, 3, (48,), generator=g)
+    data = ElasticBatches((xs, ys), micro_batch_size=4, dp_rank=hvd.rank(), dp_size=hvd.size(), seed=1)
+    opt = ph.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                  named_parameters=model.named_parameters(), aggregation=aggregation)
+    hook = ph.PolicyHook(opt, config={"policy": {"plugins": [
+        {"name": "schedule", "changes": [{"step": 1, "lr_scale": 0.5}]}]}}, micro_batch_size=4, data=data)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, policy=hook, samples=0, sizes=[])
+
+    @hvd.elastic.run
+    def train(state):
+        while state.samples < target:
+            opt.zero_grad()
+            for _ in range(hook.micro_batches):
+                x, y = next(data)
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+            opt.step()
+            hook.after_step(loss.item())
+            state.samples += hook.micro_batch_size * hook.micro_batches * hvd.size()
+            state.sizes = state.sizes + [hvd.size()]
+            state.commit()
+            if hvd.rank() == kill_rank and hvd.size() > 1 and len(state.sizes) == kill_step:
+                with open(os.path.join(outdir, "kill.pid"), "w") as f:
+                    f.write(str(os.getpid()))
+                time.sleep(600)  # the test kills this process now
+
+    train(state)
+    return {"rank": hvd.rank(), "size": hvd.size(), "samples": state.samples, "sizes": state.sizes,
+            "position": data.position, "hook_step": hook.step, "agg_step": opt.aggregator.step,
+            "agg": opt.aggregator.name, "log": hook.runner.action_log, "lr": opt.param_groups[0]["lr"],
+            "monitor_samples": hook.monitor.samples}
+
+
 from pdv_ext.aggregation import Aggregator  # noqa: E402
 
 
@@ -319,6 +418,8 @@ def main(argv: Sequence[str]) -> None:
     import horovod.torch as hvd
 
     _init(func)
+    if func == "elastic_train":
+        kwargs["outdir"] = outdir
     result = globals()[func](**kwargs)
     with open(os.path.join(outdir, f"result{hvd.rank()}.pkl"), "wb") as f:
         pickle.dump(result, f)

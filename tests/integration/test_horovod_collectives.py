@@ -1,4 +1,6 @@
-"""HorovodComm and pdv_ext.horovod.DistributedOptimizer under real `horovodrun` (gloo and MPI)."""
+"""HorovodComm, pdv_ext.horovod.DistributedOptimizer and PolicyHook under real `horovodrun` (gloo and MPI).
+
+One launch per backend runs every check (starting horovodrun costs seconds on a busy machine)."""
 import pytest
 
 from tests.integration.horovod_workers import run_horovod
@@ -14,33 +16,66 @@ def _check_comm(results, n):
         subset = [r for r in results if "subset_rank" in r]
         assert [r["subset_rank"] for r in subset] == list(range(n - 1))
         assert all(r["subset_sum"] == sum(range(1, n)) for r in subset)
-        assert all(r["subset_bcast"] == 1.0 for r in subset)
+        assert all(r["subset_bcast"] == 1.0 for r in subset)  # group rank 0 of the set is global rank 1
+        assert [r["subset_exchange"] for r in subset] == [n - 1] + list(range(1, n - 1))
 
 
 def _check_optimizer(results, n):
     for res in results:
+        # native path: Horovod's own per-parameter allreduce, bit-identical weights every step
         assert res["mean_equal_p1"] and res["mean_equal_p2"], "mean must match hvd.DistributedOptimizer exactly"
         assert res["mean_native_p1"] and res["isinstance_p1"] and res["isinstance_p2"]
+        # aggregator path (forced by a grad hook): one flattened SUM, then 1/n
         assert res["mean_agg_maxdiff_p1"] < 1e-5 and res["mean_agg_maxdiff_p2"] < 1e-5
-        if n & (n - 1) == 0:  # sums of two or four floats then 1/n: bit-identical to Horovod
+        if n & (n - 1) == 0:  # sums of two floats then x1/2: bit-identical too
             assert res["mean_agg_equal_p1"] and res["mean_agg_equal_p2"]
         assert res["tap_calls_p1"] == 4 and res["tap_calls_p2"] == 4
         assert res["ring_ok"] and res["ring_steps"] == 3
         assert res["state_roundtrip"] and res["state_switch"]
+        assert res.get("adasum_ran"), "adasum aggregator missing"
         if "adasum_maxdiff" in res:
-            assert res["adasum_maxdiff"] < 1e-5
-    # replicas stay identical only for consensus aggregators; the ring average differs by design for n>3
-    if n <= 3:
-        assert all(r["ring_final"] == results[0]["ring_final"] for r in results)
+            assert res["adasum_maxdiff"] < 1e-4
+    if n <= 3:  # each rank averages itself and both neighbours = everyone: replicas agree (up to sum order)
+        assert all(r["ring_final"] == pytest.approx(results[0]["ring_final"]) for r in results)
 
 
-@pytest.mark.timeout(200)
+def _check_policy(results, n):
+    first = results[0]
+    assert first["log"], "no action was applied"
+    assert all(r["log"] == first["log"] for r in results), "ranks applied different actions"
+    assert not first["errors"]
+    assert first["aggs"] == ["mean", "mean", "gossip", "gossip", "zeno", "adasum"]
+    assert first["passes"] == [1, 2, 2, 2, 2, 2]
+    # 0.05 x2 (linear, 1->2 micro-batches) x0.5^5 (plugin) x sqrt(1/2) (micro-batch 4->2, default sqrt)
+    assert first["lr"] == pytest.approx(0.05 * 2 * 0.5 ** 5 * 0.5 ** 0.5)
+    seen = sorted(i for r in results for i in r["seen"])
+    assert seen == list(range(first["position"])), "a sample was lost or repeated"
+    assert first["position"] == n * (4 * 1 + 4 * 2 * 4 + 2 * 2)
+    assert first["gns"] is not None and first["loss"] is not None
+
+
+def _check_all(results, n):
+    _check_comm([r["comm"] for r in results], n)
+    _check_optimizer([r["optimizer"] for r in results], n)
+    _check_policy([r["policy"] for r in results], n)
+
+
+@pytest.mark.timeout(240)
 def test_gloo_three_ranks():
-    """Non-power-of-two rank count on gloo: every primitive, process sets, optimizer paths."""
-    _check_comm(run_horovod("comm_checks", np=3, mode="gloo"), 3)
-    _check_optimizer(run_horovod("optimizer_checks", np=3, mode="gloo", kwargs={"adasum": True}), 3)
+    """Non-power-of-two rank count on gloo; Horovod's tensor fusion off so that its own sum order is
+    deterministic (with fusion on, two hvd.DistributedOptimizer runs on 3 ranks already differ in the
+    last bit, and so would ours against it)."""
+    _check_all(run_horovod("all_checks", np=3, mode="gloo", env={"HOROVOD_FUSION_THRESHOLD": "0"}, timeout=220), 3)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(240)
 def test_mpi_two_ranks():
-    _check_optimizer(run_horovod("optimizer_checks", np=2, mode="mpi", kwargs={"adasum": True}), 2)
+    """MPI (fusion on), 2 ranks: the primitives, mean vs hvd.DistributedOptimizer, and our adasum against
+    Horovod's MPI Adasum on the same tensors. (MPI ranks busy-poll: keep this launch small.)"""
+    results = run_horovod("mpi_checks", np=2, mode="mpi", timeout=220)
+    _check_comm([r["comm"] for r in results], 2)
+    for r in results:
+        opt = r["optimizer"]
+        assert opt["mean_equal_p1"] and opt["mean_native_p1"]
+        assert opt["mean_agg_equal_p1"], "flattened SUM x1/2 is bit-identical to Horovod's Average on 2 ranks"
+        assert opt["adasum_maxdiff"] < 1e-4
