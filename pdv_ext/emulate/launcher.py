@@ -140,8 +140,8 @@ class Emulation:
         errors = []
         for p in self.procs:
             kill_group(p)
-        for step in (lambda: self.groups and self.groups.remove(),
-                     lambda: cgroup.remove_tree(os.path.join(cgroup.detect()[1], self.name)) if cgroup.detect() else None,
+        det = cgroup.detect()
+        for step in (lambda: det and cgroup.remove_tree(os.path.join(det[1], self.name)),  # also if setup failed
                      lambda: netns.Network(self.spec, self.name).destroy()):
             try:
                 step()
