@@ -214,20 +214,45 @@ inline void sort_small(T* v, int64_t m) {
   }
 }
 
+// Small m: sort by computing each value's rank (m² branch-free comparisons; equal values keep their
+// row order), which beats data-dependent branches on random data.
+template <typename T>
+inline void sort_by_rank(const T* v, T* out, int64_t m) {
+  for (int64_t i = 0; i < m; ++i) {
+    const T x = v[i];
+    const bool xn = std::isnan(x);
+    int64_t r = 0;
+    for (int64_t k = 0; k < m; ++k) {
+      const T y = v[k];
+      const bool yn = std::isnan(y);
+      const bool lt = (y < x) | (xn & !yn);   // y before x
+      const bool gt = (x < y) | (yn & !xn);   // x before y
+      r += lt | (!lt & !gt & (k < i));
+    }
+    out[r] = x;
+  }
+}
+
 template <typename T, typename F>
 void over_columns(const T* s, int64_t m, int64_t n, T* o, int threads, F f) {
-  constexpr int64_t kBlock = 4096;
+  constexpr int64_t kBlock = 512;  // coordinates per tile: rows are copied in contiguous runs
   const int64_t nb = (n + kBlock - 1) / kBlock;
 #pragma omp parallel num_threads(threads) if (nb > 1 && threads > 1)
   {
-    std::vector<T> buf(m);
+    std::vector<T> tile(m * kBlock), buf(m), srt(m);
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < nb; ++blk) {
-      const int64_t hi = std::min(n, (blk + 1) * kBlock);
-      for (int64_t j = blk * kBlock; j < hi; ++j) {
-        for (int64_t i = 0; i < m; ++i) buf[i] = s[i * n + j];
-        sort_small(buf.data(), m);
-        o[j] = f(buf.data());
+      const int64_t j0 = blk * kBlock, w = std::min(kBlock, n - j0);
+      for (int64_t i = 0; i < m; ++i) std::memcpy(&tile[i * kBlock], s + i * n + j0, w * sizeof(T));
+      for (int64_t j = 0; j < w; ++j) {
+        for (int64_t i = 0; i < m; ++i) buf[i] = tile[i * kBlock + j];
+        if (m <= 16) {
+          sort_by_rank(buf.data(), srt.data(), m);
+          o[j0 + j] = f(srt.data());
+        } else {
+          sort_small(buf.data(), m);
+          o[j0 + j] = f(buf.data());
+        }
       }
     }
   }

@@ -1,0 +1,260 @@
+"""`pdv bench aggregate`: one gradient exchange of each aggregator vs a plain torch.distributed all-reduce.
+
+4 gloo ranks (pdv_ext.spawn) hold 64 MB of float32 gradients shaped like a GPT (h=512 blocks: qkv,
+projection, MLP, layer norms, biases, plus a token-embedding slice filling the rest), seeded per rank.
+Per repetition every aggregator runs once, in rotating order, each after a barrier on fresh copies of the
+gradients; a step's time is the slowest rank's. Figures are medians after warm-up, in milliseconds.
+`torch_allreduce_ms` is one dist.all_reduce of the already-flat 64 MB buffer (the pure collective);
+every aggregator also pays for flattening the tensors. `horovod_adasum_ms` times hvd.allreduce(op=Adasum)
+on the same tensors under `horovodrun --mpi` (null when Horovod or MPI is missing). An aggregator not
+registered is reported as null (and named on stderr).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+from .common import emit, log, median, parser
+
+AGGREGATORS = ["mean", "adasum", "zeno", "suspicion", "median", "gossip"]
+
+
+def gpt_shapes(elements: int, h: int = 0) -> List[tuple]:
+    """Parameter shapes of GPT blocks of width h (512, or 128 for small totals), then an embedding slice
+    (rows of h) holding the remainder."""
+    h = h or (512 if elements >= 8 * 2 ** 20 else 128)
+    block = [(h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,), (4 * h, h), (4 * h,), (h, 4 * h), (h,)]
+    per_block = sum(_numel(s) for s in block)
+    shapes: List[tuple] = []
+    while sum(_numel(s) for s in shapes) + per_block <= elements:
+        shapes += block
+    rest = elements - sum(_numel(s) for s in shapes)
+    if rest >= h:
+        shapes.append((rest // h, h))
+    elif rest > 0:
+        shapes.append((rest,))
+    return shapes
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _tensors(shapes, rank: int, seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return [torch.randn(*s, generator=g) * 1e-2 for s in shapes]
+
+
+def _spec(name: str, size: int) -> Dict[str, Any]:
+    if name == "gossip":
+        return {"type": "gossip", "peers": min(2, size - 1)}
+    if name == "zeno":
+        return {"type": "zeno", "b": 1}
+    if name == "suspicion":
+        return {"type": "suspicion"}
+    return {"type": name}
+
+
+# ---- gloo ranks -----------------------------------------------------------------------------------
+def _rank(elements: int, reps: int, warmup: int, names: List[str]) -> Dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from ..aggregation import AGGREGATORS as REG, build_aggregator
+    from ..comm import TorchComm
+    from ..spawn import init_torch_distributed
+
+    init_torch_distributed("gloo")
+    comm = TorchComm()
+    shapes = gpt_shapes(elements)
+    base = _tensors(shapes, comm.rank)
+    flat = torch.cat([t.reshape(-1) for t in base])
+    aggs: Dict[str, Any] = {}
+    missing: Dict[str, str] = {}
+    for name in names:
+        if name not in REG:
+            missing[name] = "not registered"
+            continue
+        try:
+            agg = build_aggregator(_spec(name, comm.size))
+            if getattr(agg, "needs_validation", False):
+                agg.set_validation_grads(_tensors(shapes, comm.rank, seed=99))
+            aggs[name] = agg
+        except Exception as e:  # noqa: BLE001 - reported, the rest still runs
+            missing[name] = f"{type(e).__name__}: {e}"
+
+    def allreduce():
+        dist.all_reduce(work_flat)
+
+    order = ["torch_allreduce"] + list(aggs)
+    times: Dict[str, List[float]] = {n: [] for n in order}
+    for it in range(warmup + reps):
+        rot = order[it % len(order):] + order[: it % len(order)]  # nobody always goes first
+        for name in rot:
+            grads = [t.clone() for t in base]
+            work_flat = flat.clone()
+            dist.barrier()
+            t0 = time.perf_counter()
+            try:
+                if name == "torch_allreduce":
+                    allreduce()
+                else:
+                    aggs[name](grads, comm)
+                ok = 1.0
+            except Exception as e:  # noqa: BLE001
+                missing[name] = f"{type(e).__name__}: {e}"
+                ok = 0.0
+            dt = torch.tensor([time.perf_counter() - t0, -ok], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's time; any failure wins
+            if dt[1].item() >= 0:  # failed somewhere: every rank drops it (collectives must match)
+                missing.setdefault(name, "failed on another rank")
+            elif it >= warmup:
+                times[name].append(dt[0].item())
+        order = [n for n in order if n not in missing]
+    return {"times": times, "missing": missing, "tensors": len(shapes)}
+
+
+# ---- Horovod (MPI) ranks --------------------------------------------------------------------------
+def _horovod_worker(out: str, elements: int, reps: int, warmup: int) -> None:
+    import horovod.torch as hvd
+    import torch
+
+    hvd.init()
+    shapes = gpt_shapes(elements)
+    base = _tensors(shapes, hvd.rank())
+    times: List[float] = []
+    for it in range(warmup + reps):
+        grads = [t.clone() for t in base]
+        hvd.barrier()
+        t0 = time.perf_counter()
+        handles = [hvd.allreduce_async_(g, op=hvd.Adasum, name=f"bench.adasum.{i}") for i, g in enumerate(grads)]
+        for h in handles:
+            hvd.synchronize(h)
+        dt = torch.tensor([time.perf_counter() - t0])
+        dt = hvd.allreduce(dt, op=hvd.Max, name=f"bench.t.{it}")
+        if it >= warmup:
+            times.append(float(dt))
+    if hvd.rank() == 0:
+        with open(out, "w") as f:
+            json.dump(times, f)
+    hvd.barrier()
+    hvd.shutdown()
+
+
+def horovod_adasum(ranks: int, elements: int, reps: int, warmup: int, timeout: float) -> Optional[float]:
+    """Median seconds of Horovod's MPI Adasum, or None (with the reason on stderr)."""
+    hvdrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    try:
+        from horovod.common.util import mpi_built
+
+        if not mpi_built():
+            log("horovod_adasum_ms: null (Horovod built without MPI)")
+            return None
+    except Exception as e:  # noqa: BLE001
+        log(f"horovod_adasum_ms: null (horovod not importable: {e})")
+        return None
+    if not os.path.exists(hvdrun):
+        log("horovod_adasum_ms: null (horovodrun not found)")
+        return None
+    if ranks & (ranks - 1):
+        log(f"horovod_adasum_ms: null (Horovod's CPU Adasum needs a power-of-two rank count, not {ranks})")
+        return None
+    with tempfile.TemporaryDirectory(prefix="pdv-bench-hvd-") as tmp:
+        out = os.path.join(tmp, "times.json")
+        code = (f"from pdv_ext.bench.aggregate import _horovod_worker; "
+                f"_horovod_worker({out!r}, {elements}, {reps}, {warmup})")
+        cmd = [hvdrun, "-np", str(ranks), "-H", f"localhost:{ranks}", "--mpi", "--network-interface", "lo",
+               sys.executable, "-c", code]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        with tempfile.TemporaryFile() as logf:
+            proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                rc = None
+            finally:
+                _kill_tree(proc)
+            if rc != 0 or not os.path.exists(out):
+                logf.seek(0)
+                tail = "\n".join(logf.read().decode(errors="replace").splitlines()[-15:])
+                log(f"horovod_adasum_ms: null (horovodrun {'timed out' if rc is None else f'exit {rc}'})\n{tail}")
+                return None
+        with open(out) as f:
+            return median(json.load(f))
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    try:
+        import psutil
+
+        kids = psutil.Process(proc.pid).children(recursive=True)
+    except Exception:  # noqa: BLE001
+        kids = []
+    for pid in [proc.pid] + [k.pid for k in kids]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def main(argv=None) -> int:
+    from ..spawn import run_ranks
+
+    ap = parser("aggregate", __doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--mb", type=float, default=64.0, help="MB of float32 gradients per rank (default 64)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--horovod", dest="horovod", action="store_true", default=None,
+                    help="also time Horovod's MPI Adasum (default: on, off with --quick)")
+    ap.add_argument("--no-horovod", dest="horovod", action="store_false")
+    ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--quick", action="store_true", help="2 ranks, 4 MB, 3 repetitions, no Horovod (smoke test)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.ranks, args.mb, args.reps, args.warmup = 2, 4.0, 3, 1
+        args.horovod = bool(args.horovod)
+    elif args.horovod is None:
+        args.horovod = True
+    elements = int(args.mb * 2 ** 20 / 4)
+    log(f"aggregate: {args.ranks} ranks, {args.mb:g} MB float32 in {len(gpt_shapes(elements))} tensors, "
+        f"{args.reps} reps after {args.warmup} warm-up")
+    res = run_ranks("pdv_ext.bench.aggregate:_rank", args.ranks,
+                    {"elements": elements, "reps": args.reps, "warmup": args.warmup, "names": AGGREGATORS},
+                    timeout=args.timeout)[0]
+    for name, why in res["missing"].items():
+        log(f"{name}_ms: null ({why})")
+    result: Dict[str, Any] = {}
+    for name in ["torch_allreduce"] + AGGREGATORS:
+        ts = res["times"].get(name) or []
+        result[f"{name}_ms"] = round(median(ts) * 1e3, 2) if ts and name not in res["missing"] else None
+    hvd = None
+    if args.horovod:
+        log("timing Horovod's MPI Adasum under horovodrun ...")
+        hvd = horovod_adasum(args.ranks, elements, args.reps, args.warmup, args.timeout)
+    else:
+        log("horovod_adasum_ms: null (skipped: --quick / --no-horovod)")
+    result["horovod_adasum_ms"] = round(hvd * 1e3, 2) if hvd is not None else None
+    result["ranks"] = args.ranks
+    result["mb"] = args.mb
+    if result["adasum_ms"] and result["torch_allreduce_ms"]:
+        result["adasum_vs_allreduce"] = round(result["adasum_ms"] / result["torch_allreduce_ms"], 3)
+    if result["adasum_ms"] and result["horovod_adasum_ms"]:
+        result["adasum_vs_horovod"] = round(result["adasum_ms"] / result["horovod_adasum_ms"], 3)
+    emit(result, args.json)
+    return 0
