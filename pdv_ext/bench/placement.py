@@ -67,8 +67,11 @@ def main(argv=None) -> int:
     from ..placement.profile import Profile
     from ..placement.solvers import solve
 
-    cluster = Cluster.load(a.cluster)
-    spec = load_spec(a.cluster)
+    try:
+        cluster, spec = Cluster.load(a.cluster), load_spec(a.cluster)
+    except Exception as exc:  # the loader's message names the file and key
+        print(f"pdv bench placement: {exc}", file=sys.stderr)
+        return 2
     model = ["--layers", str(a.layers), "--hidden", str(a.hidden), "--micro-batch", str(a.micro_batch),
              "--micro-batches", str(a.micro_batches)]
     timer = [sys.executable, "-m", "pdv_ext.emulate.train_step_timer"]
