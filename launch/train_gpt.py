@@ -44,8 +44,10 @@ def main() -> None:
     model = PipelineModule(layers=gpt_layers(args.layers, args.hidden, args.heads, args.seq_len),
                            num_stages=args.stages, loss_fn=lm_loss, seed_layers=True, seed_fn=seed_layer,
                            base_seed=args.seed, partition_method="parameters")
+    probe_data = ByteWindows(text_splits()[0], args.seq_len, 8, seed=args.seed * 100 + 50 + int(os.environ.get("RANK", 0)))
     engine, _, _, _ = pdv_ext.initialize(args=args, model=model,
-                                         model_parameters=[p for p in model.parameters() if p.requires_grad])
+                                         model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                         init_search_iter=probe_data)  # used when pdv.init_search is enabled
     rank = torch.distributed.get_rank()
     train_text, held_text = text_splits()
     micro = engine.train_micro_batch_size_per_gpu()
