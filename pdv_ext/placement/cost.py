@@ -1,0 +1,182 @@
+"""Pipeline step-time cost model (1F1B and GPipe) and per-stage breakdown.
+
+For a plan with S stages on device groups g_0..g_{S-1} (each of the same data-parallel width w) and B
+micro-batches:
+
+    t_s   = compute_s + comm_s
+    compute_s = sum of the stage's layers' fwd+bwd time / speed of the slowest device of g_s
+    comm_s    = 2 * max over replicas r of p2p(g_s[r] -> g_{s+1}[r], activation bytes at the boundary)
+                (forward activation out, gradient back; 0 for the last stage)
+    r_s   = data-parallel reduction of the stage's gradient bytes over g_s (aggregator's pattern)
+    step  = (B - 1) * max_s t_s + sum_s t_s + max_s r_s
+
+Memory per device of stage s: 4 * parameter bytes (weights, grads, two Adam moments) + in-flight
+micro-batches * saved activation bytes, where 1F1B keeps min(S - s, B) micro-batches and GPipe keeps B.
+A plan is feasible when every device's estimate fits its memory.
+
+Everything a solver needs per (stage, layer range) is linear in prefix sums, so `StageParams` exposes
+exactly the numbers `stage_time`, `reduce_time` and `memory` use: the DP solver and this module share them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from .cluster import Cluster
+from .profile import Profile
+
+# communication pattern of each aggregator's data-parallel reduction
+AGGREGATOR_PATTERN = {"mean": "ring", "sum": "ring", "ring": "ring", "adasum": "halving_doubling",
+                      "gossip": "gossip", "zeno": "gather", "suspicion": "gather", "median": "gather",
+                      "trimmed_mean": "gather"}
+OPTIMIZER_STATE_FACTOR = 4.0  # weights + grads + Adam m, v
+
+
+@dataclass
+class StageCost:
+    stage: int
+    layers: List[int]           # [start, stop)
+    devices: List[int]
+    compute: float
+    comm: float
+    time: float
+    reduce: float
+    memory: float               # worst device, bytes
+    memory_limit: float
+    fits: bool
+
+
+@dataclass
+class CostBreakdown:
+    step_time: float
+    pipeline_time: float
+    reduce_time: float
+    bottleneck: float
+    feasible: bool
+    schedule: str
+    micro_batches: int
+    stages: List[StageCost] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        for k, v in list(d.items()):
+            if isinstance(v, float) and math.isinf(v):
+                d[k] = None
+        for s in d["stages"]:
+            if math.isinf(s["memory_limit"]):
+                s["memory_limit"] = None
+        return d
+
+
+@dataclass
+class StageParams:
+    """Per-stage constants of the cost model for a fixed chain of device groups."""
+
+    speed: np.ndarray           # (S,) slowest device's speed
+    p2p: List[List[tuple]]      # per stage: [(latency, bandwidth)] over replica pairs to the next stage
+    reduce_a: np.ndarray        # (S,) reduction time = a + b * gradient bytes
+    reduce_b: np.ndarray
+    mem_cap: np.ndarray         # (S,) smallest device memory
+    inflight: np.ndarray        # (S,) micro-batches whose activations are held
+
+    def comm(self, s: int, act_bytes):
+        """2 * worst replica p2p time for `act_bytes` (scalar or array)."""
+        if not self.p2p[s]:
+            return np.zeros_like(np.asarray(act_bytes, dtype=float))
+        a = np.asarray(act_bytes, dtype=float)
+        return 2.0 * np.max([lat + a / bw for lat, bw in self.p2p[s]], axis=0)
+
+
+def reduce_coeffs(cluster: Cluster, group: Sequence[int], pattern: str, crossing_share: int = 1,
+                  gossip_peers: int = 1, gossip_ratio: float = 0.01) -> tuple:
+    """(a, b) with reduction time = a + b * bytes over `group`, for the aggregator's pattern.
+
+    Links are taken along the ring group[0] -> group[1] -> ... -> group[0]; an inter-host edge's bandwidth
+    is divided by `crossing_share` (groups reducing across the same host link at once)."""
+    w = len(group)
+    if w <= 1:
+        return 0.0, 0.0
+    lats, bws = [], []
+    for i in range(w):
+        a, b = group[i], group[(i + 1) % w]
+        ln = cluster.link(a, b)
+        share = crossing_share if cluster.host_of(a) != cluster.host_of(b) else 1
+        lats.append(ln.latency)
+        bws.append(ln.bandwidth / share)
+    lat, bw = max(lats), min(bws)
+    if pattern == "ring":
+        return 2 * (w - 1) * lat, 2 * (w - 1) / w / bw
+    if pattern == "halving_doubling":
+        return 2 * math.ceil(math.log2(w)) * lat, 2 * (w - 1) / w / bw
+    if pattern == "gossip":
+        return gossip_peers * lat, gossip_peers * gossip_ratio / bw
+    if pattern == "gather":
+        return (w - 1) * lat, (w - 1) / bw
+    raise ValueError(f"unknown reduction pattern '{pattern}'")
+
+
+def stage_params(cluster: Cluster, groups: Sequence[Sequence[int]], micro_batches: int,
+                 schedule: str = "1f1b", aggregator: str = "mean") -> StageParams:
+    s_count = len(groups)
+    pattern = AGGREGATOR_PATTERN.get(aggregator, "ring")
+    speed = np.array([min(cluster.speed(d) for d in g) for g in groups], dtype=float)
+    p2p = []
+    for s in range(s_count):
+        if s == s_count - 1:
+            p2p.append([])
+            continue
+        pairs = {}
+        for a, b in zip(groups[s], groups[s + 1]):
+            ln = cluster.link(a, b)
+            pairs[(ln.latency, ln.bandwidth)] = None
+        p2p.append(list(pairs))
+    # contention: how many groups cross hosts on each host's link
+    crossing: Dict[str, int] = {}
+    for g in groups:
+        hs = {cluster.host_of(d) for d in g}
+        if len(hs) > 1:
+            for h in hs:
+                crossing[h] = crossing.get(h, 0) + 1
+    ra, rb = np.zeros(s_count), np.zeros(s_count)
+    for s, g in enumerate(groups):
+        hs = {cluster.host_of(d) for d in g}
+        share = max((crossing.get(h, 1) for h in hs), default=1) if len(hs) > 1 else 1
+        ra[s], rb[s] = reduce_coeffs(cluster, g, pattern, share)
+    cap = np.array([min(cluster.memory(d) for d in g) for g in groups], dtype=float)
+    if schedule == "gpipe":
+        infl = np.full(s_count, float(micro_batches))
+    elif schedule == "1f1b":
+        infl = np.array([float(min(s_count - s, micro_batches)) for s in range(s_count)])
+    else:
+        raise ValueError(f"unknown schedule '{schedule}' (1f1b or gpipe)")
+    return StageParams(speed, p2p, ra, rb, cap, infl)
+
+
+def evaluate(profile: Profile, cluster: Cluster, boundaries: Sequence[int], groups: Sequence[Sequence[int]],
+             micro_batches: int, schedule: str = "1f1b", aggregator: str = "mean") -> CostBreakdown:
+    """Step time and per-stage breakdown of a plan (boundaries = DeepSpeed parts; groups[s] = devices)."""
+    arr = profile.arrays()
+    n = len(profile)
+    if list(boundaries)[0] != 0 or list(boundaries)[-1] != n or len(boundaries) - 1 != len(groups):
+        raise ValueError(f"boundaries {list(boundaries)} do not split {n} layers into {len(groups)} stages")
+    sp = stage_params(cluster, groups, micro_batches, schedule, aggregator)
+    stages = []
+    for s in range(len(groups)):
+        k, l = boundaries[s], boundaries[s + 1]
+        if l <= k:
+            raise ValueError(f"stage {s} has no layers (boundaries {list(boundaries)})")
+        compute = float(arr["fwd_bwd"][k:l].sum() / sp.speed[s])
+        comm = float(sp.comm(s, arr["act_bytes"][l - 1])) if s < len(groups) - 1 else 0.0
+        params = float(arr["param_bytes"][k:l].sum())
+        red = float(sp.reduce_a[s] + sp.reduce_b[s] * params)
+        mem = OPTIMIZER_STATE_FACTOR * params + sp.inflight[s] * float(arr["saved_bytes"][k:l].sum())
+        stages.append(StageCost(s, [int(k), int(l)], [int(d) for d in groups[s]], compute, comm, compute + comm,
+                                red, mem, float(sp.mem_cap[s]), bool(mem <= sp.mem_cap[s])))
+    times = [st.time for st in stages]
+    pipe = (micro_batches - 1) * max(times) + sum(times)
+    red = max(st.reduce for st in stages)
+    return CostBreakdown(pipe + red, pipe, red, max(times), all(st.fits for st in stages), schedule,
+                         micro_batches, stages)

@@ -1,0 +1,207 @@
+"""Per-layer profile of a pipeline model: forward+backward time, parameter bytes, activation bytes, memory.
+
+Measured once on the local device at the configured micro-batch size (median of repetitions) and scaled to
+other devices by their throughput (`Cluster.speed`). Saved as JSON::
+
+    {"micro_batch": 4, "device": "cpu", "device_throughput": 3.1e10,
+     "layers": [{"name": "Embed", "fwd_bwd": 0.0012, "param_bytes": 98304, "act_bytes": 131072,
+                 "saved_bytes": 262144}, ...]}
+
+`act_bytes` is what the layer's output sends to the next stage per micro-batch; `saved_bytes` what
+autograd keeps for the backward pass (the activation memory one in-flight micro-batch costs).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+
+@dataclass
+class LayerProfile:
+    name: str
+    fwd_bwd: float          # seconds per micro-batch on the profiling device
+    param_bytes: float
+    act_bytes: float        # output activation bytes per micro-batch
+    saved_bytes: float = 0.0  # activation memory kept for backward, per micro-batch
+
+
+@dataclass
+class Profile:
+    layers: List[LayerProfile]
+    micro_batch: int = 1
+    device: str = "cpu"
+    device_throughput: Optional[float] = None  # measured matmul FLOP/s of the profiling device
+    meta: Dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    # -- arrays the cost model and solvers use ------------------------------------------------------
+    def arrays(self) -> Dict[str, np.ndarray]:
+        return {k: np.array([getattr(l, k) for l in self.layers], dtype=float)
+                for k in ("fwd_bwd", "param_bytes", "act_bytes", "saved_bytes")}
+
+    def scaled(self, speed: float) -> "Profile":
+        """The profile as seen on a device `speed` times as fast as the profiling device."""
+        return Profile([LayerProfile(l.name, l.fwd_bwd / speed, l.param_bytes, l.act_bytes, l.saved_bytes)
+                        for l in self.layers], self.micro_batch, self.device,
+                       None if self.device_throughput is None else self.device_throughput * speed, dict(self.meta))
+
+    # -- persistence --------------------------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "Profile":
+        try:
+            layers = [LayerProfile(**l) for l in d["layers"]]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a layer profile ({exc}); expected {{'layers': [{{'name', 'fwd_bwd', "
+                             f"'param_bytes', 'act_bytes'}}, ...]}}") from exc
+        if not layers:
+            raise ValueError("the profile has no layers")
+        return cls(layers, int(d.get("micro_batch", 1)), d.get("device", "cpu"), d.get("device_throughput"),
+                   dict(d.get("meta", {})))
+
+    def save(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "Profile":
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def synthetic(cls, num_layers: int, seed: int = 0, heavy_every: int = 0) -> "Profile":
+        """Random but realistic layers (for benchmarks and tests): transformer-like blocks, optional heavy
+        layers every `heavy_every` (e.g. embeddings/heads)."""
+        rng = np.random.default_rng(seed)
+        layers = []
+        for i in range(num_layers):
+            heavy = heavy_every and i % heavy_every == 0
+            t = float(rng.uniform(0.8, 1.2) * (3.0 if heavy else 1.0)) * 1e-2
+            params = float(rng.uniform(0.5, 1.5) * (4.0 if heavy else 1.0)) * 2 ** 22
+            act = float(rng.choice([1.0, 2.0, 4.0])) * 2 ** 20
+            layers.append(LayerProfile(f"layer{i}", t, params, act, 4 * act))
+        return cls(layers, micro_batch=1, device="synthetic")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------------------------------
+def _tensors(x: Any) -> List[Any]:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []
+
+
+def _nbytes(x: Any) -> float:
+    return float(sum(t.numel() * t.element_size() for t in _tensors(x)))
+
+
+def matmul_throughput(size: int = 512, reps: int = 5, device: Optional[str] = None) -> float:
+    """Median FLOP/s of a size x size float32 matmul on `device`."""
+    import torch
+
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    a = torch.randn(size, size, device=dev)
+    b = torch.randn(size, size, device=dev)
+    times = []
+    for _ in range(reps + 1):
+        if dev.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        (a @ b).sum().item()
+        times.append(time.perf_counter() - t0)
+    return 2.0 * size ** 3 / statistics.median(times[1:])
+
+
+def profile_layers(layers: Sequence[Any], sample_input: Any, reps: int = 5, warmup: int = 1,
+                   device: Optional[str] = None, progress: bool = False) -> Profile:
+    """Profile built modules / LayerSpecs / callables in order, feeding each the previous output.
+
+    Forward+backward per layer: the backward is driven by a random gradient of the output's shape,
+    so every layer's own backward cost is measured independently of the loss.
+    """
+    import torch
+    from torch import nn
+
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    built = []
+    for spec in layers:
+        mod = spec.build() if hasattr(spec, "build") and hasattr(spec, "typename") else spec
+        if isinstance(mod, nn.Module):
+            mod = mod.to(dev)
+        built.append(mod)
+    x = [t.to(dev) for t in sample_input] if isinstance(sample_input, (list, tuple)) else sample_input.to(dev)
+    it = built
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(built, desc="profile", unit="layer")
+    out: List[LayerProfile] = []
+    for i, mod in enumerate(it):
+        params = list(mod.parameters()) if isinstance(mod, nn.Module) else []
+        pbytes = float(sum(p.numel() * p.element_size() for p in params))
+        times, saved, y = [], 0.0, None
+        for r in range(warmup + reps):
+            inp = _detach(x)
+            saved_now = [0.0]
+
+            def pack(t, acc=saved_now):
+                acc[0] += t.numel() * t.element_size()
+                return t
+
+            if dev.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = mod(inp)
+            outs = [t for t in _tensors(y) if t.requires_grad]
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+            if dev.startswith("cuda"):
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            if r >= warmup:
+                times.append(dt)
+                saved = saved_now[0]
+            for p in params:
+                p.grad = None
+        name = type(mod).__name__ if not hasattr(layers[i], "typename") else layers[i].typename.__name__
+        out.append(LayerProfile(name, float(statistics.median(times)), pbytes, _nbytes(y), float(saved)))
+        x = _detach(y)
+    mb = int(_tensors(sample_input)[0].shape[0]) if _tensors(sample_input) else 1
+    return Profile(out, micro_batch=mb, device=dev, device_throughput=matmul_throughput(device=dev))
+
+
+def _detach(x: Any) -> Any:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+        return x.requires_grad_(True) if x.is_floating_point() else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_detach(v) for v in x)
+    return x
+
+
+def profile_module(module: Any, sample_input: Any, reps: int = 5, progress: bool = False) -> Profile:
+    """Profile a `PipelineModule` (all its layer specs, whatever the local stage holds)."""
+    specs = getattr(module, "_layer_specs", None)
+    if specs is None:
+        raise TypeError("profile_module needs a deepspeed PipelineModule (or call profile_layers with a list)")
+    return profile_layers(specs, sample_input, reps=reps, progress=progress)
