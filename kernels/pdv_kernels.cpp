@@ -191,88 +191,114 @@ void topk_ef_impl(const T* update, T* residual, int64_t n, int64_t k, int64_t* i
 }
 
 // ---- coordinate-wise median / trimmed mean over m vectors ----------------------------------------
-// Ascending order with every NaN after +inf, as torch.sort does.
-template <typename T>
-inline bool nan_last_less(T x, T y) {
-  return !std::isnan(x) && (std::isnan(y) || x < y);
-}
-
-template <typename T>
-inline void sort_small(T* v, int64_t m) {
-  if (m > 32) {
-    std::sort(v, v + m, nan_last_less<T>);
-    return;
+// Order-preserving integer keys: ascending floats with -0.0 just below +0.0 and every NaN mapped to the
+// largest key (after +inf). The map is its own inverse on non-NaN values; NaN comes back canonical.
+template <typename T> struct OrdKey;
+template <> struct OrdKey<float> {
+  using I = int32_t;
+  static I key(float x) {
+    I b;
+    std::memcpy(&b, &x, sizeof b);
+    const I mag = b & 0x7fffffff;
+    return mag > 0x7f800000 ? 0x7fffffff : (b ^ ((b >> 31) & 0x7fffffff));
   }
-  for (int64_t i = 1; i < m; ++i) {  // insertion sort: m is a replica count
-    T x = v[i];
-    int64_t j = i - 1;
-    while (j >= 0 && nan_last_less(x, v[j])) {
-      v[j + 1] = v[j];
-      --j;
-    }
-    v[j + 1] = x;
+  static float value(I k) {
+    const I b = k ^ ((k >> 31) & 0x7fffffff);
+    float x;
+    std::memcpy(&x, &b, sizeof x);
+    return x;
   }
-}
-
-// Small m: sort by computing each value's rank (m² branch-free comparisons; equal values keep their
-// row order), which beats data-dependent branches on random data.
-template <typename T>
-inline void sort_by_rank(const T* v, T* out, int64_t m) {
-  for (int64_t i = 0; i < m; ++i) {
-    const T x = v[i];
-    const bool xn = std::isnan(x);
-    int64_t r = 0;
-    for (int64_t k = 0; k < m; ++k) {
-      const T y = v[k];
-      const bool yn = std::isnan(y);
-      const bool lt = (y < x) | (xn & !yn);   // y before x
-      const bool gt = (x < y) | (yn & !xn);   // x before y
-      r += lt | (!lt & !gt & (k < i));
-    }
-    out[r] = x;
+};
+template <> struct OrdKey<double> {
+  using I = int64_t;
+  static constexpr I kMag = 0x7fffffffffffffffLL;
+  static I key(double x) {
+    I b;
+    std::memcpy(&b, &x, sizeof b);
+    const I mag = b & kMag;
+    return mag > 0x7ff0000000000000LL ? kMag : (b ^ ((b >> 63) & kMag));
   }
-}
+  static double value(I k) {
+    const I b = k ^ ((k >> 63) & kMag);
+    double x;
+    std::memcpy(&x, &b, sizeof x);
+    return x;
+  }
+};
 
-template <typename T, typename F>
-void over_columns(const T* s, int64_t m, int64_t n, T* o, int threads, F f) {
-  constexpr int64_t kBlock = 512;  // coordinates per tile: rows are copied in contiguous runs
+// Column-wise reduction of an (m, n) row-major stack: tiles of kBlock columns are converted to keys and
+// sorted with an odd-even transposition network (branch-free min/max over contiguous rows, so it runs
+// SIMD across columns) for m <= 32, or per column with std::sort beyond; `emit` then reads the sorted
+// rows of the tile.
+template <typename T, typename Emit>
+void over_columns(const T* s, int64_t m, int64_t n, T* o, int threads, Emit emit) {
+  using KO = OrdKey<T>;
+  using I = typename KO::I;
+  constexpr int64_t kBlock = 256;
   const int64_t nb = (n + kBlock - 1) / kBlock;
 #pragma omp parallel num_threads(threads) if (nb > 1 && threads > 1)
   {
-    std::vector<T> tile(m * kBlock), buf(m), srt(m);
+    std::vector<I> tile(m * kBlock), col(m);
+    std::vector<T> vals(m * kBlock);
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < nb; ++blk) {
       const int64_t j0 = blk * kBlock, w = std::min(kBlock, n - j0);
-      for (int64_t i = 0; i < m; ++i) std::memcpy(&tile[i * kBlock], s + i * n + j0, w * sizeof(T));
-      for (int64_t j = 0; j < w; ++j) {
-        for (int64_t i = 0; i < m; ++i) buf[i] = tile[i * kBlock + j];
-        if (m <= 16) {
-          sort_by_rank(buf.data(), srt.data(), m);
-          o[j0 + j] = f(srt.data());
-        } else {
-          sort_small(buf.data(), m);
-          o[j0 + j] = f(buf.data());
+      for (int64_t i = 0; i < m; ++i) {
+        const T* src = s + i * n + j0;
+        I* dst = &tile[i * kBlock];
+        for (int64_t j = 0; j < w; ++j) dst[j] = KO::key(src[j]);
+      }
+      if (m <= 32) {
+        for (int64_t r = 0; r < m; ++r) {
+          for (int64_t i = r & 1; i + 1 < m; i += 2) {
+            I* x = &tile[i * kBlock];
+            I* y = &tile[(i + 1) * kBlock];
+            for (int64_t j = 0; j < w; ++j) {
+              const I lo = std::min(x[j], y[j]), hi = std::max(x[j], y[j]);
+              x[j] = lo;
+              y[j] = hi;
+            }
+          }
+        }
+      } else {
+        for (int64_t j = 0; j < w; ++j) {
+          for (int64_t i = 0; i < m; ++i) col[i] = tile[i * kBlock + j];
+          std::sort(col.begin(), col.end());
+          for (int64_t i = 0; i < m; ++i) tile[i * kBlock + j] = col[i];
         }
       }
+      for (int64_t i = 0; i < m; ++i) {
+        const I* src = &tile[i * kBlock];
+        T* dst = &vals[i * kBlock];
+        for (int64_t j = 0; j < w; ++j) dst[j] = KO::value(src[j]);
+      }
+      emit(vals.data(), kBlock, w, o + j0);
     }
   }
 }
 
 template <typename T>
 void median_impl(const T* s, int64_t m, int64_t n, T* o, int threads) {
-  over_columns<T>(s, m, n, o, threads, [m](const T* v) -> T {
-    if (m % 2) return v[m / 2];
-    return (v[m / 2 - 1] + v[m / 2]) / static_cast<T>(2);
+  over_columns<T>(s, m, n, o, threads, [m](const T* v, int64_t stride, int64_t w, T* out) {
+    if (m % 2) {
+      std::memcpy(out, v + (m / 2) * stride, w * sizeof(T));
+      return;
+    }
+    const T* lo = v + (m / 2 - 1) * stride;
+    const T* hi = v + (m / 2) * stride;
+    for (int64_t j = 0; j < w; ++j) out[j] = (lo[j] + hi[j]) / static_cast<T>(2);
   });
 }
 
 template <typename T>
 void trimmed_mean_impl(const T* s, int64_t m, int64_t n, int64_t trim, T* o, int threads) {
   const int64_t cnt = m - 2 * trim;
-  over_columns<T>(s, m, n, o, threads, [trim, cnt](const T* v) -> T {
-    double acc = static_cast<double>(v[trim]);  // float64, ascending order
-    for (int64_t i = trim + 1; i < trim + cnt; ++i) acc += static_cast<double>(v[i]);
-    return static_cast<T>(acc / static_cast<double>(cnt));
+  over_columns<T>(s, m, n, o, threads, [trim, cnt](const T* v, int64_t stride, int64_t w, T* out) {
+    double acc[256];
+    for (int64_t j = 0; j < w; ++j) acc[j] = static_cast<double>(v[trim * stride + j]);  // ascending, float64
+    for (int64_t i = trim + 1; i < trim + cnt; ++i)
+      for (int64_t j = 0; j < w; ++j) acc[j] += static_cast<double>(v[i * stride + j]);
+    for (int64_t j = 0; j < w; ++j) out[j] = static_cast<T>(acc[j] / static_cast<double>(cnt));
   });
 }
 

@@ -32,6 +32,9 @@ def stacks():
     for m in (1, 2, 3, 4):
         yield special[:m].contiguous()
     yield torch.zeros(3, 100)
+    big = torch.randn(40, 300, generator=g)  # m > 32: the per-column sort path
+    big[::7, ::5] = nan
+    yield big
     t = torch.randint(-3, 3, (6, 5000), generator=g).float()  # many ties
     yield t
     yield t.double()
