@@ -1,9 +1,9 @@
 """Schema of `pdv.placement`: explicit stage boundaries / rank mapping, or a plan file, or plan at start-up."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Any, Dict, List, Literal, Optional
 
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..config_base import StrictModel
 
@@ -16,6 +16,12 @@ class PlacementConfig(StrictModel):
     - `rank_mapping`: per stage, the global ranks of its data-parallel replicas, e.g. `[[0, 3], [1, 2]]`.
     - `plan`: a plan JSON written by `pdv plan` (boundaries + mapping), or
     - `cluster` + `solver` (+ `profile`): plan at start-up (rank 0 plans and broadcasts).
+    - `num_stages` (default: the PipelineModule's), `micro_batches` (default: gradient accumulation steps
+      when known, else 2 x stages), `schedule` (`1f1b` or `gpipe`), `aggregator` (reduction pattern the
+      cost model assumes; default `mean`), `solver_options` (keyword arguments of the solver).
+    - Profiling at start-up when `profile` is absent or names a missing file (it is then written):
+      `input_shape` (micro-batch input, e.g. `[4, 16]`), `input_dtype` (`float32` or `int64`),
+      `input_high` (exclusive upper bound of int64 inputs, e.g. the vocabulary), `profile_reps`.
     """
 
     boundaries: Optional[List[int]] = None
@@ -25,7 +31,14 @@ class PlacementConfig(StrictModel):
     profile: Optional[str] = None
     solver: str = "dp"
     num_stages: Optional[int] = None
-    micro_batches: Optional[int] = None
+    micro_batches: Optional[int] = Field(default=None, ge=1)
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    aggregator: str = "mean"
+    solver_options: Dict[str, Any] = Field(default_factory=dict)
+    input_shape: Optional[List[int]] = None
+    input_dtype: Literal["float32", "int64"] = "float32"
+    input_high: int = Field(default=256, ge=1)
+    profile_reps: int = Field(default=3, ge=1)
 
     @field_validator("boundaries")
     @classmethod
@@ -62,4 +75,22 @@ class PlacementConfig(StrictModel):
                     f"{len(self.rank_mapping)}")
         if self.plan is not None and (self.boundaries is not None or self.rank_mapping is not None):
             raise ValueError("give either 'plan' or explicit 'boundaries'/'rank_mapping', not both")
+        if self.cluster is not None and (self.plan is not None or self.boundaries is not None
+                                         or self.rank_mapping is not None):
+            raise ValueError("give either 'cluster' (plan at start-up) or 'plan'/'boundaries'/'rank_mapping'")
         return self
+
+
+    @field_validator("solver")
+    @classmethod
+    def _known_solver(cls, v: str) -> str:
+        if ":" in v:
+            return v
+        from .solvers import SOLVERS
+
+        if v not in SOLVERS:
+            from ..registry import did_you_mean
+
+            raise ValueError(f"unknown solver '{v}'{did_you_mean(v, SOLVERS.names())}; known: "
+                             f"{', '.join(SOLVERS.names())}")
+        return v

@@ -1,0 +1,241 @@
+"""`pdv plan`, `pdv predict fit|eval`, `pdv profile`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..config_base import ConfigError
+
+
+def _fail(msg: str) -> int:
+    print(msg, file=sys.stderr)
+    return 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# pdv plan
+# ---------------------------------------------------------------------------------------------------
+def schedule_1f1b(stage_times: List[float], micro_batches: int, comm: Optional[List[float]] = None,
+                  fwd_share: float = 1 / 3) -> List[List[Tuple[str, int, float, float]]]:
+    """Simulated 1F1B schedule: per stage a list of (kind 'F'/'B', micro-batch, start, end).
+
+    A stage's time is split into forward (fwd_share) and backward; F(s, m) waits for F(s-1, m) plus the
+    activation transfer, B(s, m) for B(s+1, m) plus the gradient transfer."""
+    S, B = len(stage_times), micro_batches
+    comm = comm or [0.0] * S
+    order = []
+    for s in range(S):
+        warm = min(S - s - 1, B)
+        ops = [("F", m) for m in range(warm)]
+        f, b = warm, 0
+        while b < B:
+            if f < B:
+                ops.append(("F", f))
+                f += 1
+            ops.append(("B", b))
+            b += 1
+        order.append(ops)
+    done: Dict[Tuple[str, int, int], float] = {}
+    out: List[List[Tuple[str, int, float, float]]] = [[] for _ in range(S)]
+    pos = [0] * S
+    free = [0.0] * S
+    remaining = sum(len(o) for o in order)
+    while remaining:
+        progressed = False
+        for s in range(S):
+            if pos[s] >= len(order[s]):
+                continue
+            kind, m = order[s][pos[s]]
+            if kind == "F":
+                dep = 0.0 if s == 0 else done.get(("F", s - 1, m))
+                if dep is None:
+                    continue
+                dep += comm[s - 1] / 2 if s else 0.0
+                dur = stage_times[s] * fwd_share
+            else:
+                dep = done.get(("F", s, m)) if s == S - 1 else done.get(("B", s + 1, m))
+                if dep is None:
+                    continue
+                dep += comm[s] / 2 if s < S - 1 else 0.0
+                dur = stage_times[s] * (1 - fwd_share)
+            start = max(free[s], dep)
+            end = start + dur
+            done[(kind, s, m)] = end
+            out[s].append((kind, m, start, end))
+            free[s] = end
+            pos[s] += 1
+            remaining -= 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError("schedule deadlock (bug)")
+    return out
+
+
+def plot_gantt(plan: Any, path: str) -> None:
+    """Gantt chart of the 1F1B schedule per stage (row label = its devices), plus the reduction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    compute = [s["compute"] for s in plan.stages]
+    comm = [s["comm"] for s in plan.stages]
+    sched = schedule_1f1b(compute, plan.micro_batches, comm)
+    S = len(sched)
+    fig, ax = plt.subplots(figsize=(12, 0.5 * S + 1.5))
+    cmap = plt.get_cmap("tab20")
+    end = max(e for row in sched for _, _, _, e in row)
+    for s, row in enumerate(sched):
+        for kind, m, a, b in row:
+            ax.barh(S - 1 - s, b - a, left=a, color=cmap(m % 20), alpha=1.0 if kind == "F" else 0.55,
+                    edgecolor="black", linewidth=0.3)
+        red = plan.stages[s]["reduce"]
+        if red > 0:
+            ax.barh(S - 1 - s, red, left=end, color="grey", hatch="//", edgecolor="black", linewidth=0.3)
+    ax.set_yticks(range(S))
+    ax.set_yticklabels([f"stage {s} dev {','.join(map(str, plan.stages[s]['devices']))}"[:32]
+                        for s in range(S)][::-1], fontsize=7)
+    ax.set_xlabel("seconds (solid: forward, light: backward, hatched: gradient reduction)")
+    ax.set_title(f"{plan.solver}: predicted step {plan.predicted_step_time * 1e3:.2f} ms "
+                 f"({plan.schedule}, {plan.micro_batches} micro-batches)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plan_main(argv: Optional[List[str]] = None) -> int:
+    from .cluster import Cluster
+    from .profile import Profile
+    from .solvers import SOLVERS, solve
+
+    ap = argparse.ArgumentParser(prog="pdv plan", description="choose stage boundaries and rank placement")
+    ap.add_argument("--cluster", required=True, help="cluster YAML (see docs/placement.md)")
+    ap.add_argument("--profile", required=True, help="layer profile JSON (pdv profile)")
+    ap.add_argument("--stages", type=int, default=None, help="number of stages (default: the solver chooses)")
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--solver", default="dp", help=f"one of {', '.join(SOLVERS.names())} or module:function")
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    ap.add_argument("--aggregator", default="mean", help="reduction pattern the cost model assumes")
+    ap.add_argument("--out", default=None, help="write the plan JSON here")
+    ap.add_argument("--plot", default=None, help="draw the 1F1B Gantt chart (PNG)")
+    ap.add_argument("--json", action="store_true", help="print the plan as one JSON line")
+    args = ap.parse_args(argv)
+    try:
+        cluster = Cluster.load(args.cluster)
+        prof = Profile.load(args.profile)
+    except ConfigError as exc:
+        return _fail("\n".join(exc.errors))
+    except (OSError, ValueError) as exc:
+        return _fail(f"pdv plan: {exc}")
+    try:
+        plan = solve(args.solver, prof, cluster, args.stages, args.micro_batches, schedule=args.schedule,
+                     aggregator=args.aggregator)
+    except (ValueError, KeyError) as exc:
+        return _fail(f"pdv plan: {exc}")
+    if args.out:
+        plan.save(args.out)
+    if args.plot:
+        plot_gantt(plan, args.plot)
+    if args.json:
+        print(json.dumps(plan.to_dict()))
+    else:
+        print(plan.table())
+        if args.out:
+            print(f"plan written to {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# pdv predict
+# ---------------------------------------------------------------------------------------------------
+def predict_main(argv: Optional[List[str]] = None) -> int:
+    from . import predictor as P
+
+    ap = argparse.ArgumentParser(prog="pdv predict", description="fit / evaluate the latency predictor")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    fit = sub.add_parser("fit", help="fit on every mesh of the database except the held-out ones")
+    fit.add_argument("--db", default=P.DEFAULT_DB, help="profiling database JSON (default: the packaged Alpa data)")
+    fit.add_argument("-o", "--out", required=True)
+    fit.add_argument("--hold-out", nargs="*", default=None,
+                     help="mesh names (e.g. 2x8) not to fit on (default: the largest mesh)")
+    fit.add_argument("--all", action="store_true", help="fit on every mesh (nothing held out)")
+    fit.add_argument("--cluster", default=None, help="cluster YAML whose inter_host link the model should use")
+    ev = sub.add_parser("eval", help="relative error on every non-null point of meshes the model was not fitted on")
+    ev.add_argument("--model", required=True)
+    ev.add_argument("--db", default=P.DEFAULT_DB)
+    ev.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        db = P.load_db(args.db)
+    except (OSError, ValueError) as exc:
+        return _fail(f"pdv predict: cannot read database '{args.db}': {exc}")
+    if args.cmd == "fit":
+        if args.all:
+            train, test = db["meshes"], []
+        else:
+            train, test = P.split_meshes(db, args.hold_out)
+        link = None
+        if args.cluster:
+            from .cluster import Cluster
+
+            ln = Cluster.load(args.cluster).spec.links.inter_host
+            link = {"bandwidth": ln.bandwidth, "latency": ln.latency}
+        pred = P.Predictor.fit(train, inter_host=link)
+        pred.model["trained_on"] = [P.mesh_name(m) for m in train]
+        pred.save(args.out)
+        print(f"fitted on meshes {', '.join(pred.model['trained_on'])}; held out: "
+              f"{', '.join(P.mesh_name(m) for m in test) or 'none'}; inter-host link: "
+              f"{pred.model['inter_host']} ({pred.model['inter_host_source']}) -> {args.out}")
+        return 0
+    pred = P.Predictor.load(args.model)
+    trained = set(pred.model.get("trained_on", []))
+    test = [m for m in db["meshes"] if P.mesh_name(m) not in trained]
+    if not test:
+        return _fail("pdv predict eval: every mesh of the database was used for fitting; nothing held out")
+    res = P.evaluate(pred, test)
+    res["meshes"] = [P.mesh_name(m) for m in test]
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"held-out meshes: {', '.join(res['meshes'])}  points: {res['points']}")
+        print(f"median relative error: {res['median_rel_error']:.4f}   p90: {res['p90_rel_error']:.4f}")
+        for k, v in res["by_kind"].items():
+            print(f"  {k:<22} median {v['median']:.4f}  p90 {v['p90']:.4f}  ({v['points']} points)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# pdv profile
+# ---------------------------------------------------------------------------------------------------
+def profile_main(argv: Optional[List[str]] = None) -> int:
+    import torch
+
+    from ..models import gpt_layers, mlp_layers
+    from .profile import profile_layers
+
+    ap = argparse.ArgumentParser(prog="pdv profile", description="profile the layers of a demo model")
+    ap.add_argument("--model", default="gpt", choices=["gpt", "mlp"])
+    ap.add_argument("--layers", type=int, default=4, help="transformer blocks (gpt) or hidden layers (mlp)")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    if args.model == "gpt":
+        specs = gpt_layers(args.layers, args.hidden, args.heads, args.seq_len)
+        sample = torch.randint(0, 256, (args.micro_batch, args.seq_len))
+    else:
+        specs = mlp_layers(args.layers, args.hidden, 16, 4)
+        sample = torch.randn(args.micro_batch, 16)
+    prof = profile_layers(specs, sample, reps=args.reps, progress=sys.stderr.isatty())
+    prof.meta.update({"model": args.model, "layers": args.layers, "hidden": args.hidden})
+    prof.save(args.out)
+    total = sum(l.fwd_bwd for l in prof.layers)
+    print(f"{len(prof)} layers, fwd+bwd {total * 1e3:.2f} ms per micro-batch of {args.micro_batch}, "
+          f"{sum(l.param_bytes for l in prof.layers) / 2 ** 20:.2f} MiB parameters -> {args.out}")
+    return 0

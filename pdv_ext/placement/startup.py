@@ -1,0 +1,79 @@
+"""Planning at start-up: `"pdv": {"placement": {"cluster": "c.yaml", "solver": "dp", "profile": "p.json"}}`.
+
+Rank 0 loads (or measures) the layer profile and runs the solver; the plan is broadcast so that every
+rank applies the same boundaries and mapping. Errors on rank 0 are broadcast too, so no rank hangs.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional
+
+from ..config_base import ConfigError
+from .cluster import Cluster
+from .profile import Profile, profile_module
+
+
+def _sample_input(pl: Any):
+    import torch
+
+    if not pl.input_shape:
+        raise ConfigError(["pdv.placement.input_shape: needed to profile the model at start-up (or give "
+                           "pdv.placement.profile, a profile JSON written by `pdv profile`)"])
+    if pl.input_dtype == "int64":
+        return torch.randint(0, pl.input_high, tuple(pl.input_shape))
+    return torch.randn(*pl.input_shape)
+
+
+def load_or_profile(module: Any, pl: Any) -> Profile:
+    """The profile named by `pl.profile`, or a fresh one (saved to `pl.profile` when it names a new file)."""
+    if pl.profile and os.path.exists(pl.profile):
+        try:
+            return Profile.load(pl.profile)
+        except (OSError, ValueError) as exc:
+            raise ConfigError([f"pdv.placement.profile: cannot read '{pl.profile}': {exc}"]) from exc
+    prof = profile_module(module, _sample_input(pl), reps=pl.profile_reps)
+    if pl.profile:
+        prof.save(pl.profile)
+    return prof
+
+
+def make_plan(module: Any, pl: Any, world_size: int, micro_batches: Optional[int] = None) -> Dict[str, Any]:
+    """Rank 0's work: cluster + profile + solver -> plan dict."""
+    from .solvers import solve
+
+    cluster = Cluster.load(pl.cluster)
+    if len(cluster) != world_size:
+        raise ConfigError([f"pdv.placement.cluster: '{pl.cluster}' describes {len(cluster)} devices but the job "
+                           f"has {world_size} ranks"])
+    prof = load_or_profile(module, pl)
+    if len(prof) != len(module._layer_specs):
+        raise ConfigError([f"pdv.placement.profile: has {len(prof)} layers but the model has "
+                           f"{len(module._layer_specs)}"])
+    stages = pl.num_stages or module.num_stages
+    mb = pl.micro_batches or micro_batches or 2 * stages
+    plan = solve(pl.solver, prof, cluster, stages, mb, schedule=pl.schedule, aggregator=pl.aggregator,
+                 **pl.solver_options)
+    return plan.to_dict()
+
+
+def plan_for_module(module: Any, placement_cfg: Any, micro_batches: Optional[int] = None) -> Dict[str, Any]:
+    """Plan on rank 0, broadcast, return the same plan dict on every rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return make_plan(module, placement_cfg, 1 if module is None else module.world_size, micro_batches)
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = {"ok": make_plan(module, placement_cfg, dist.get_world_size(), micro_batches)}
+        except ConfigError as exc:
+            box[0] = {"config_error": exc.errors}
+        except Exception as exc:  # every rank must learn about the failure
+            box[0] = {"error": f"{type(exc).__name__}: {exc}"}
+    dist.broadcast_object_list(box, src=0)
+    got = box[0]
+    if "config_error" in got:
+        raise ConfigError(got["config_error"])
+    if "error" in got:
+        raise RuntimeError(f"placement planning failed on rank 0: {got['error']}")
+    return got["ok"]
