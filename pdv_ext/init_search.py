@@ -91,16 +91,20 @@ def _load(model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
 def apply_scheme(model: nn.Module, scheme: str, seed: int, scale: float = 1.0) -> None:
     """Re-initialize `model` in place: `default` re-runs every submodule's own `reset_parameters()` under
     `seed`; the others draw every weight matrix (dim >= 2) from that scheme and zero the biases. Matrices
-    are then multiplied by `scale`. Draws happen on CPU with a seeded generator (same on any device)."""
+    are then multiplied by `scale`. Draws happen on CPU with a seeded generator (same on any device).
+    Frozen parameters (requires_grad=False, e.g. pretrained parts) and their modules are left alone."""
     if scheme == "default":
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             for m in model.modules():
-                if hasattr(m, "reset_parameters") and callable(m.reset_parameters):
+                frozen = any(not p.requires_grad for p in m.parameters(recurse=False))
+                if not frozen and hasattr(m, "reset_parameters") and callable(m.reset_parameters):
                     m.reset_parameters()
     elif scheme in _MATRIX_INITS:
         g = torch.Generator().manual_seed(seed)
         for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
             if p.dim() >= 2:
                 tmp = torch.empty(p.shape, dtype=torch.float32)
                 _MATRIX_INITS[scheme](tmp, generator=g)
@@ -111,7 +115,7 @@ def apply_scheme(model: nn.Module, scheme: str, seed: int, scale: float = 1.0) -
         raise ValueError(f"unknown init scheme '{scheme}'")
     if scale != 1.0:
         for p in model.parameters():
-            if p.dim() >= 2:
+            if p.dim() >= 2 and p.requires_grad:
                 p.mul_(scale)
 
 
@@ -121,7 +125,7 @@ class _Builder:
     def __init__(self, model: nn.Module, base: Dict[str, torch.Tensor]):
         self.model, self.base = model, base
         self.cache: Dict[str, Dict[str, torch.Tensor]] = {}
-        self.param_names = {n for n, _ in model.named_parameters()}
+        self.param_names = {n for n, p in model.named_parameters() if p.requires_grad}
 
     def state(self, cand: Candidate) -> Dict[str, torch.Tensor]:
         if cand.id in self.cache:

@@ -145,3 +145,19 @@ def test_score_batches_are_held_out_of_probing():
     with torch.no_grad():
         loss = sum(float(nn.functional.cross_entropy(m(a), b)) for a, b in held) / 2
     assert loss == pytest.approx(rep["winner"]["score"], rel=1e-5)
+
+
+def test_frozen_parameters_are_kept():
+    m = tiny_model()
+    m[0].weight.requires_grad_(False)
+    m[0].bias.requires_grad_(False)
+    frozen = m[0].weight.detach().clone()
+    builder = _Builder(m, _state(m))
+    cfg = InitSearchConfig(candidates=4, schemes=["default", "kaiming"])
+    drawn = _draw(cfg, 0, 0, [], 0.0)
+    for cand in drawn[1:] + _draw(cfg, 1, 0, drawn[1:2], 0.5):
+        state = builder.state(cand)
+        assert torch.equal(state["0.weight"], frozen), cand.id
+        assert not torch.equal(state["2.weight"], builder.base["2.weight"]), cand.id
+    search_init(m, nn.functional.cross_entropy, batches(), None, CFG)
+    assert torch.equal(m[0].weight, frozen)
