@@ -33,7 +33,7 @@ class Zeno(RobustAggregator):
         #: step size assumed by the score gamma <v, g> - rho |g|^2 (only rho / gamma matters for the choice)
         gamma: float = Field(1.0, gt=0)
         #: penalty on the candidate's squared norm
-        rho: float = Field(1e-3, ge=0)
+        rho: float = Field(0.05, ge=0)
         #: candidates dropped each step (the Byzantine ranks tolerated); alias `byzantine`
         b: Optional[int] = Field(None, ge=0)
         byzantine: Optional[int] = Field(None, ge=0)

@@ -92,6 +92,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--eval-every", type=int, default=1)
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--quick", action="store_true", help="smoke run: LRs 0.5,1; target 0.5; 60 steps")
+    ap.add_argument("--ranks", type=int, default=RANKS, help="data-parallel ranks (8 for the reported numbers)")
     ap.add_argument("--timeout", type=float, default=3600)
     args = ap.parse_args(argv)
 
@@ -104,13 +105,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     target = 0.5 if args.quick and args.target == 0.1 else args.target
     max_steps = 60 if args.quick and args.max_steps == 200 else args.max_steps
     runs = [{"aggregator": a, "lr": lr} for lr in lrs for a in ("mean", "adasum")]  # alternate the two
-    log(f"convergence: {len(runs)} runs, effective batch {RANKS * args.batch}, target loss {target}")
-    rows = run_ranks("pdv_ext.bench.convergence:rank_main", RANKS,
+    log(f"convergence: {len(runs)} runs, effective batch {args.ranks * args.batch}, target loss {target}")
+    rows = run_ranks("pdv_ext.bench.convergence:rank_main", args.ranks,
                      {"runs": runs, "batch": args.batch, "max_steps": max_steps, "target": target,
                       "eval_every": args.eval_every, "hidden": args.hidden}, timeout=args.timeout)[0]
     m_steps, m_lr = best(rows, "mean")
     a_steps, a_lr = best(rows, "adasum")
     emit({"mean_steps_to_target": m_steps, "adasum_steps_to_target": a_steps, "target_loss": target,
-          "mean_best_lr": m_lr, "adasum_best_lr": a_lr, "grid": rows, "effective_batch": RANKS * args.batch,
+          "mean_best_lr": m_lr, "adasum_best_lr": a_lr, "grid": rows, "effective_batch": args.ranks * args.batch, "ranks": args.ranks,
           "max_steps": max_steps}, args.json)
     return 0
