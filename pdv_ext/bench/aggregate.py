@@ -223,7 +223,8 @@ def main(argv=None) -> int:
     ap.add_argument("--horovod", dest="horovod", action="store_true", default=None,
                     help="also time Horovod's MPI Adasum (default: on, off with --quick)")
     ap.add_argument("--no-horovod", dest="horovod", action="store_false")
-    ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--only", default="", help="comma-separated aggregators to time (default: all); the rest are null")
+    ap.add_argument("--timeout", type=float, default=3600.0)
     ap.add_argument("--quick", action="store_true", help="2 ranks, 4 MB, 3 repetitions, no Horovod (smoke test)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -232,17 +233,22 @@ def main(argv=None) -> int:
     elif args.horovod is None:
         args.horovod = True
     elements = int(args.mb * 2 ** 20 / 4)
+    names = [n for n in args.only.split(",") if n] or AGGREGATORS
+    for n in AGGREGATORS:
+        if n not in names:
+            log(f"{n}_ms: null (skipped: not in --only)")
     log(f"aggregate: {args.ranks} ranks, {args.mb:g} MB float32 in {len(gpt_shapes(elements))} tensors, "
         f"{args.reps} reps after {args.warmup} warm-up")
     res = run_ranks("pdv_ext.bench.aggregate:_rank", args.ranks,
-                    {"elements": elements, "reps": args.reps, "warmup": args.warmup, "names": AGGREGATORS},
+                    {"elements": elements, "reps": args.reps, "warmup": args.warmup, "names": names},
                     timeout=args.timeout)[0]
     for name, why in res["missing"].items():
         log(f"{name}_ms: null ({why})")
     result: Dict[str, Any] = {}
     for name in ["torch_allreduce"] + AGGREGATORS:
         ts = res["times"].get(name) or []
-        result[f"{name}_ms"] = round(median(ts) * 1e3, 2) if ts and name not in res["missing"] else None
+        ok = ts and name not in res["missing"] and (name == "torch_allreduce" or name in names)
+        result[f"{name}_ms"] = round(median(ts) * 1e3, 2) if ok else None
     hvd = None
     if args.horovod:
         log("timing Horovod's MPI Adasum under horovodrun ...")
