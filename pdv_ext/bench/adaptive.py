@@ -5,7 +5,9 @@ run): an MLP classifier on scikit-learn's digits, data-parallel over the ranks. 
 batches B in `--batches` with the LR scaled from (B0, lr) by the sqrt rule (Adam); the adaptive run starts
 at B0 and lets `gns_batch_size` grow the micro-batch size (the same sqrt rule on each change). Time is
 training time only (held-out evaluation every `--eval-every` samples is excluded). `monitor_overhead`:
-step time with the Monitor + runner on vs off, same engine, alternating blocks, medians.
+step time with the Monitor + runner on vs off, same engine, alternating blocks, medians — with metrics
+gathered and decisions agreed every `interval` steps as in the adaptive run (`pdv.policy.every`), and
+every step (`monitor_overhead_every_step`).
 
 JSON: {"fixed": [{"batch", "seconds_to_target", "steps_to_target"}, ...], "adaptive_seconds_to_target",
 "adaptive_steps_to_target", "adaptive_batches", "ratio", "monitor_overhead", "target_loss", ...}
@@ -20,8 +22,8 @@ from typing import Any, Dict, List, Optional
 from .common import emit, log, median, parser
 
 
-def _config(mbs: int, lr: float, dp: int, plugins: Optional[list], monitor: bool) -> dict:
-    pol: Dict[str, Any] = {"monitor": {"enabled": monitor, "tensorboard": False}}
+def _config(mbs: int, lr: float, dp: int, plugins: Optional[list], monitor: bool, every: int = 1) -> dict:
+    pol: Dict[str, Any] = {"monitor": {"enabled": monitor, "tensorboard": False}, "every": every}
     if plugins:
         pol["plugins"] = plugins
         pol["lr_scaling"] = "sqrt"
@@ -30,7 +32,8 @@ def _config(mbs: int, lr: float, dp: int, plugins: Optional[list], monitor: bool
             "steps_per_print": 10 ** 9, "pdv": {"policy": pol}}
 
 
-def _engine(args: Dict[str, Any], mbs: int, lr: float, plugins: Optional[list] = None, monitor: bool = False):
+def _engine(args: Dict[str, Any], mbs: int, lr: float, plugins: Optional[list] = None, monitor: bool = False,
+            every: int = 1):
     import torch
     import torch.distributed as dist
     from deepspeed.pipe import PipelineModule
@@ -42,7 +45,7 @@ def _engine(args: Dict[str, Any], mbs: int, lr: float, plugins: Optional[list] =
     model = PipelineModule(layers=mlp_layers(args["layers"], args["hidden"], 64, 10), num_stages=1,
                            loss_fn=torch.nn.CrossEntropyLoss(), seed_layers=True, seed_fn=seed_layer,
                            base_seed=args["seed"])
-    cfg = _config(mbs, lr, dist.get_world_size(), plugins, monitor)
+    cfg = _config(mbs, lr, dist.get_world_size(), plugins, monitor, every)
     eng, _, _, _ = pdv_ext.initialize(model=model, config=cfg,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
     return eng
@@ -82,30 +85,36 @@ def _to_target(args: Dict[str, Any], eng: Any, data: Any, xt: Any, yt: Any) -> D
     return {"seconds": None, "steps": None, "samples": eng.global_samples, "loss": loss, "batches": batches}
 
 
-def _overhead(args: Dict[str, Any], eng: Any, data: Any) -> float:
-    """Median step time with the policy layer on / off, alternating blocks on one engine, minus 1."""
+def _overhead(args: Dict[str, Any], eng: Any, data: Any, block: int) -> float:
+    """Step-time increase with the policy layer on vs off on one engine: adjacent off/on blocks of
+    `block` steps (aligned with the agreement windows), the median over pairs of mean(on)/mean(off) - 1
+    (paired, so the machine's load drift cancels)."""
     import torch.distributed as dist
 
     glue = eng.pdv_policy
     hooks = list(eng.grad_hooks)
     imap = eng.__dict__.get("_INSTRUCTION_MAP")
-    times: Dict[bool, List[float]] = {True: [], False: []}
-    for block in range(2 * args["overhead_blocks"]):
-        on = block % 2 == 1
-        eng.pdv_policy = glue if on else None
-        eng.grad_hooks[:] = hooks if on else [h for h in hooks if h.__class__.__name__ != "_MonitorHook"]
-        if on:
-            eng._INSTRUCTION_MAP = imap
-        else:
-            eng.__dict__.pop("_INSTRUCTION_MAP", None)
-        for _ in range(args["overhead_steps"]):
+    while eng.global_steps % block:  # start at a window boundary
+        eng.train_batch(data_iter=data)
+    ratios: List[float] = []
+    for pair in range(args["overhead_blocks"]):
+        means = {}
+        for on in ((False, True) if pair % 2 == 0 else (True, False)):
+            eng.pdv_policy = glue if on else None
+            eng.grad_hooks[:] = hooks if on else [h for h in hooks if h.__class__.__name__ != "_MonitorHook"]
+            if on:
+                eng._INSTRUCTION_MAP = imap
+            else:
+                eng.__dict__.pop("_INSTRUCTION_MAP", None)
             dist.barrier()
             t = time.perf_counter()
-            eng.train_batch(data_iter=data)
-            times[on].append(time.perf_counter() - t)
+            for _ in range(block):
+                eng.train_batch(data_iter=data)
+            means[on] = (time.perf_counter() - t) / block
+        ratios.append(means[True] / means[False])
     eng.pdv_policy, eng._INSTRUCTION_MAP = glue, imap
     eng.grad_hooks[:] = hooks
-    return median(times[True]) / median(times[False]) - 1.0
+    return median(ratios) - 1.0
 
 
 def rank_main(**args: Any) -> Dict[str, Any]:
@@ -127,6 +136,8 @@ def rank_main(**args: Any) -> Dict[str, Any]:
 
     runs = [("fixed", b) for b in args["batches"]]
     runs.insert(1, ("adaptive", b0))  # interleave: contention drifts over the run
+    if args.get("overhead_only"):
+        runs = []
     for kind, batch in runs:
         lr = args["lr"] * math.sqrt(batch / b0)
         if kind == "fixed":
@@ -134,7 +145,7 @@ def rank_main(**args: Any) -> Dict[str, Any]:
         else:
             plugins = [{"name": "gns_batch_size", "max_batch_size": args["batches"][-1], "grow": "micro_batch_size",
                         "interval": args["interval"], "warmup_steps": args["warmup"], "lr_rule": "sqrt"}]
-            eng = _engine(args, batch // dp, lr, plugins, monitor=True)
+            eng = _engine(args, batch // dp, lr, plugins, monitor=True, every=args["interval"])
         res = _to_target(args, eng, data_for(eng), xt, yt)
         if dist.get_rank() == 0:
             log(f"{kind} B={batch}: {json.dumps(res)}")
@@ -151,13 +162,20 @@ def rank_main(**args: Any) -> Dict[str, Any]:
         if eng.pdv_policy is not None:
             eng.pdv_policy.close()
         del eng
-    # monitor overhead: a run with the policy layer (monitor + runner + gns policy that cannot act)
-    plugins = [{"name": "gns_batch_size", "max_batch_size": b0, "warmup_steps": 0, "interval": 1}]
-    eng = _engine(args, b0 // dp, args["lr"], plugins, monitor=True)
-    data = data_for(eng)
-    for _ in range(5):  # warm up
-        eng.train_batch(data_iter=data)
-    out["monitor_overhead"] = _overhead(args, eng, data)
+    # monitor overhead at the middle batch, with the policy layer as the adaptive run has it (Monitor,
+    # runner, gns_batch_size unable to act: max batch = current batch), agreeing every `interval` steps
+    # (`monitor_overhead`) and every step (`monitor_overhead_every_step`)
+    bm = args["batches"][1]
+    plugins = [{"name": "gns_batch_size", "max_batch_size": bm, "warmup_steps": 0, "interval": args["interval"]}]
+    for key, every in (("monitor_overhead", args["interval"]), ("monitor_overhead_every_step", 1)):
+        eng = _engine(args, bm // dp, args["lr"], plugins, monitor=True, every=every)
+        data = data_for(eng)
+        for _ in range(5):  # warm up
+            eng.train_batch(data_iter=data)
+        out[key] = _overhead(args, eng, data, max(every, args["overhead_steps"] // every * every))
+        if dist.get_rank() == 0:
+            log(f"{key}: {out[key]:+.3f}")
+        del eng
     return out
 
 
@@ -174,10 +192,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--max-samples", type=int, default=200_000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1500)
+    ap.add_argument("--overhead-only", action="store_true", help="only measure the monitor overhead")
     a = ap.parse_args(argv)
     args = {"batches": sorted(a.batches), "target": a.target, "lr": a.lr, "hidden": a.hidden, "layers": a.layers,
             "eval_every": a.eval_every, "max_samples": a.max_samples, "seed": a.seed, "interval": 10, "warmup": 10,
-            "overhead_blocks": 5, "overhead_steps": 20}
+            "overhead_blocks": 12, "overhead_steps": 10, "overhead_only": a.overhead_only}
     if a.quick:
         args.update(target=max(a.target, 0.5), max_samples=20_000, hidden=64, layers=4, overhead_blocks=2,
                     overhead_steps=5, warmup=5, interval=5)
@@ -194,6 +213,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               "adaptive_seconds_to_target": ada,
               "ratio": (ada / best["seconds_to_target"]) if (best and ada) else None,
               "monitor_overhead": res["monitor_overhead"],
+              "monitor_overhead_every_step": res["monitor_overhead_every_step"],
               "adaptive_steps_to_target": res.get("adaptive_steps_to_target"),
               "adaptive_batches": res.get("adaptive_batches"),
               "best_fixed_batch": best["batch"] if best else None,

@@ -99,7 +99,7 @@ class PolicyGlue:
 
         self.engine, self.cfg = engine, cfg
         self.comm = TorchComm()  # the world: every rank of every stage agrees
-        self.monitor = Monitor(self.comm, engine.grid.get_data_parallel_world_size(), cfg.monitor)
+        self.monitor = Monitor(self.comm, engine.grid.get_data_parallel_world_size(), cfg.monitor, every=cfg.every)
         engine.grad_hooks.append(_MonitorHook(self.monitor))
         # time forward/backward per rank (the straggler signal) through an instance-level instruction map
         imap = dict(type(engine)._INSTRUCTION_MAP)
@@ -123,11 +123,14 @@ class PolicyGlue:
         self.monitor.begin_step()
 
     def end(self, loss: Any) -> Dict[str, Any]:
+        """After train_batch: the Monitor's metrics; on agreement steps the runner applies the actions."""
         e = self.engine
         mbs, mb, _ = self.applier.batch_geometry()
         lrs = self.applier.get_lr()
         m = self.monitor.end_step(int(e.global_steps), float(loss) if loss is not None else None,
                                   lrs[0] if lrs else None, mbs, mb, getattr(e.aggregator, "report", None))
+        if m is None:  # not an agreement step (pdv.policy.every): no communication
+            return self.last_metrics
         if self.runner is not None:
             self.runner.after_step(m)
         self.last_metrics = m

@@ -23,7 +23,7 @@ from .config import MonitorConfig
 from .gns import GNSEstimator
 
 #: the per-rank scalars gathered each step, in order
-SLOTS = ("wall", "compute", "local_sq", "agg_sq", "loss", "dropped", "consensus_distance", "grads")
+SLOTS = ("wall", "compute", "local_sq", "agg_sq", "loss", "dropped", "consensus_distance", "grads")  # window means
 
 #: CSV columns, in order (per-rank columns `compute_r{i}` are appended; absent values are left empty)
 COLUMNS = ("step", "time", "samples", "batch_size", "micro_batches", "micro_batch_size", "loss", "lr",
@@ -65,8 +65,10 @@ class Monitor:
     contributes a slice of that replica's gradient norm).
     """
 
-    def __init__(self, comm: Comm, dp_size: int, config: Optional[MonitorConfig] = None):
+    def __init__(self, comm: Comm, dp_size: int, config: Optional[MonitorConfig] = None, every: int = 1):
         self.comm = comm
+        self.every = int(every)
+        self._reset_window()
         self.dp_size = int(dp_size)
         self.config = config or MonitorConfig()
         self.gns = GNSEstimator(self.config.ema)
@@ -106,26 +108,54 @@ class Monitor:
 
     # ---- the collective -------------------------------------------------------------------------
     def end_step(self, step: int, loss: Optional[float], lr: Optional[float], micro_batch_size: int,
-                 micro_batches: int, report: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-        """Gather this step's scalars from every rank; return the metrics (identical on all ranks)."""
+                 micro_batches: int, report: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
+        """Close the step. On every `every`-th step (collective): gather the window's scalars from every
+        rank and return the metrics (identical on all ranks; times and norms are window means). On the
+        other steps: no communication, rank 0 records its local view, returns None."""
         wall = time.perf_counter() - self._t0
         has = self._local_sq is not None and self._agg_sq is not None
         dropped, cd = _report_scalars(report or {})
-        mine = torch.tensor([wall, self._compute, float(self._local_sq) if has else 0.0,
-                             float(self._agg_sq) if has else 0.0, math.nan if loss is None else float(loss),
-                             dropped, cd, 1.0 if has else 0.0], dtype=torch.float64)
+        w = self._window
+        w["n"] += 1
+        w["wall"] += wall
+        w["compute"] += self._compute
+        if has:
+            w["grads"] += 1
+            w["local_sq"] += float(self._local_sq)
+            w["agg_sq"] += float(self._agg_sq)
+        if not math.isnan(dropped):
+            w["dropped"] = dropped if math.isnan(w["dropped"]) else max(w["dropped"], dropped)
+        if not math.isnan(cd):
+            w["cd"] = cd
+        batch = micro_batch_size * micro_batches * self.dp_size
+        self.samples += batch
+        if step % self.every:
+            self._record({"step": step, "time": time.time() - self._start, "samples": self.samples,
+                          "batch_size": batch, "micro_batches": micro_batches, "micro_batch_size": micro_batch_size,
+                          "loss": loss, "lr": lr, "step_time": wall,
+                          "samples_per_s": batch / wall if wall > 0 else math.nan})
+            self.begin_step()
+            return None
+        n, g = w["n"], max(w["grads"], 1)
+        mine = torch.tensor([w["wall"] / n, w["compute"] / n, w["local_sq"] / g, w["agg_sq"] / g,
+                             math.nan if loss is None else float(loss), w["dropped"], w["cd"],
+                             1.0 if w["grads"] == n else 0.0], dtype=torch.float64)
         rows = torch.stack(self.comm.all_gather(mine)) if self.comm.size > 1 else mine[None]
         m = self._combine(rows, step, lr, micro_batch_size, micro_batches)
         self._record(m)
+        self._reset_window()
         self.begin_step()
         return m
+
+    def _reset_window(self) -> None:
+        self._window = {"n": 0, "wall": 0.0, "compute": 0.0, "local_sq": 0.0, "agg_sq": 0.0, "grads": 0,
+                        "dropped": math.nan, "cd": math.nan}
 
     def _combine(self, rows: torch.Tensor, step: int, lr: Optional[float], mbs: int, mb: int) -> Dict[str, Any]:
         col = {k: rows[:, i] for i, k in enumerate(SLOTS)}
         batch = mbs * mb * self.dp_size
         wall = float(col["wall"].max())
         compute = col["compute"].tolist()
-        self.samples += batch
         m: Dict[str, Any] = {
             "step": step, "time": time.time() - self._start, "samples": self.samples, "batch_size": batch,
             "micro_batches": mb, "micro_batch_size": mbs, "dp_size": self.dp_size, "lr": lr,
@@ -189,11 +219,13 @@ class Monitor:
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        return {"gns": self.gns.state_dict(), "samples": self.samples}
+        return {"gns": self.gns.state_dict(), "samples": self.samples, "window": dict(self._window)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.gns.load_state_dict(state["gns"])
         self.samples = int(state.get("samples", 0))
+        if "window" in state:
+            self._window = dict(state["window"])
 
 
 class _Writer:

@@ -64,6 +64,11 @@ class PolicyRunner:
         self.lr_scale = 1.0
         self._written: Optional[List[float]] = None
         self.step = 0
+        # rank 0: decided but not yet broadcast (between agreement steps)
+        self._queue: List[Dict[str, Any]] = []
+        self._queued_errors: List[Dict[str, Any]] = []
+        self._stop: Optional[str] = None
+        self._geom: Optional[Tuple[int, int, int]] = None
 
     # ---- hooks ----------------------------------------------------------------------------------
     def context(self, step: int = 0) -> TrainContext:
@@ -80,18 +85,28 @@ class PolicyRunner:
                 self._guard(i, step, pol.on_train_begin, ctx, local=True)
 
     def after_step(self, metrics: Dict[str, Any]) -> List[Action]:
-        """Collective: every rank calls it with the (identical) metrics of the step just finished."""
+        """Collective: every rank calls it with the (identical) metrics of the step just finished.
+
+        Rank 0 asks the policies every step; what they decided is broadcast and applied on every
+        `every`-th step (one broadcast per `every` steps: cheaper, and decisions wait at most every-1 steps).
+        """
         step = int(metrics["step"])
         self.step = step
         self._sync_lr()
-        payload: Optional[Dict[str, Any]] = None
-        if self.comm.rank == 0 and step % self.every == 0:
-            payload = self._decide(metrics)
+        if self.comm.rank == 0 and self._stop is None:
+            self._decide(metrics)
+        if step % self.every:  # not an agreement step
+            return []
+        payload = None
+        if self.comm.rank == 0 and (self._queue or self._queued_errors or self._stop):
+            payload = {"actions": self._queue, "errors": self._queued_errors, "stop": self._stop}
+            self._queue, self._queued_errors, self._geom = [], [], None
         payload = self._broadcast(payload)
         if not payload:
             return []
-        for err in payload.get("errors", []):
-            self._record_error(err)
+        if self.comm.rank != 0:
+            for err in payload.get("errors", []):
+                self._record_error(err)
         if payload.get("stop"):
             raise PolicyError(payload["stop"])
         applied = []
@@ -103,12 +118,12 @@ class PolicyRunner:
         return applied
 
     # ---- rank 0 ---------------------------------------------------------------------------------
-    def _decide(self, metrics: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    def _decide(self, metrics: Dict[str, Any]) -> None:
         step = int(metrics["step"])
-        actions, errors, stop = [], [], None
         for i, pol in enumerate(self.policies):
             if i in self.disabled:
                 continue
+            geom = self._geom
             try:
                 out = pol.after_step(metrics) or []
                 resolved = []
@@ -117,28 +132,30 @@ class PolicyRunner:
                         raise TypeError(f"after_step returned {a!r}, not an Action")
                     resolved.append(self._resolve(a, _name(pol), metrics))
             except Exception as exc:  # a plugin's bug must not kill the run unless asked to
+                self._geom = geom  # forget what this policy's valid actions simulated
                 err = {"index": i, "policy": _name(pol), "step": step, "error": f"{type(exc).__name__}: {exc}"}
-                errors.append(err)
+                self._queued_errors.append(err)
+                self._record_error(err)
                 if self.on_error == "raise":
-                    stop = f"policy '{err['policy']}' failed at step {step}: {err['error']}"
-                    break
+                    self._stop = f"policy '{err['policy']}' failed at step {step}: {err['error']}"
+                    return
                 continue
-            actions.extend(resolved)
-        if not actions and not errors:
-            return None
-        return {"actions": actions, "errors": errors, "stop": stop}
+            self._queue.extend(resolved)
 
     def _resolve(self, a: Action, source: str, metrics: Dict[str, Any]) -> Dict[str, Any]:
+        """Validate an action and fix what must be identical on every rank (the LR factor), against the
+        geometry the queued actions will have produced."""
         d = a.to_dict()
         d["source"] = d.get("source") or source
         item: Dict[str, Any] = {"action": d}
         if isinstance(a, SetBatchSize):
-            mbs0, mb0, dp = self.applier.batch_geometry()
+            mbs0, mb0, dp = self._geom or self.applier.batch_geometry()
             mb, mbs = _or(a.micro_batches, mb0), _or(a.micro_batch_size, mbs0)
             if mb < 1 or mbs < 1:
                 raise ValueError(f"SetBatchSize: sizes must be >= 1 (got micro_batches={mb}, micro_batch_size={mbs})")
             rule = a.lr_rule or self.lr_scaling
             item["lr_factor"] = lr_factor(rule, mbs0 * mb0 * dp, mbs * mb * dp, metrics.get("gns"))
+            self._geom = (mbs, mb, dp)
         return item
 
     def _broadcast(self, payload: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -227,7 +244,9 @@ class PolicyRunner:
     def state_dict(self) -> Dict[str, Any]:
         return {"policies": [p.state_dict() for p in self.policies], "disabled": dict(self.disabled),
                 "errors": list(self.errors), "action_log": list(self.action_log), "base_lrs": self.base_lrs,
-                "lr_scale": self.lr_scale, "written": self._written, "step": self.step}
+                "lr_scale": self.lr_scale, "written": self._written, "step": self.step,
+                "queue": list(self._queue), "queued_errors": list(self._queued_errors), "stop": self._stop,
+                "geom": self._geom}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if len(state["policies"]) != len(self.policies):
@@ -239,6 +258,8 @@ class PolicyRunner:
         self.action_log = [tuple(x) for x in state["action_log"]]  # type: ignore[misc]
         self.base_lrs, self.lr_scale, self._written = state["base_lrs"], state["lr_scale"], state["written"]
         self.step = state["step"]
+        self._queue, self._queued_errors = list(state.get("queue", [])), list(state.get("queued_errors", []))
+        self._stop, self._geom = state.get("stop"), state.get("geom")
 
 
 def _or(value: Optional[int], default: int) -> int:

@@ -87,3 +87,27 @@ def test_update_last_and_open_later(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
     assert [r["step"] for r in rows] == ["1", "2", "3"]
     assert [r["val_loss"] for r in rows] == ["", "1.7", ""]
+
+
+def test_monitor_window_gathers_every_n_steps():
+    calls = []
+
+    class Counting(RowsComm):
+        size = 2  # a group: the Monitor must communicate (this fake answers with one row)
+
+        def all_gather(self, tensor):
+            calls.append(tensor.clone())
+            return [tensor]
+
+    comm = Counting([])
+    comm.size = 2
+    mon = Monitor(comm, dp_size=1, config=MonitorConfig(tensorboard=False), every=3)
+    outs = []
+    for step in range(1, 7):
+        mon.add_local_grads([torch.tensor([float(step)])])
+        mon.add_aggregated_grads([torch.tensor([1.0])])
+        outs.append(mon.end_step(step, 1.0 / step, 0.1, 4, 1))
+    assert [o is None for o in outs] == [True, True, False, True, True, False]
+    assert len(calls) == 2 and len(mon.rows) == 6  # rank 0 still has a row per step
+    assert outs[2]["local_sq"] == pytest.approx((1 + 4 + 9) / 3) and outs[5]["local_sq"] == pytest.approx((16 + 25 + 36) / 3)
+    assert outs[5]["samples"] == 24 and outs[5]["loss"] == pytest.approx(1 / 6)

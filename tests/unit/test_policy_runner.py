@@ -91,13 +91,13 @@ class Raiser(Policy):
         return [SetLearningRate(scale=1.0)] if m["step"] == 1 else []
 
 
-def run_ranks(n, make_policies, steps=4, on_error="disable"):
+def run_ranks(n, make_policies, steps=4, on_error="disable", every=1):
     shared = {"size": n, "barrier": threading.Barrier(n, timeout=20)}
     results, errors = [None] * n, [None] * n
 
     def worker(rank):
         ap = FakeApplier()
-        runner = PolicyRunner(make_policies(rank), ThreadComm(rank, shared), ap, on_error=on_error)
+        runner = PolicyRunner(make_policies(rank), ThreadComm(rank, shared), ap, on_error=on_error, every=every)
         runner.on_train_begin()
         try:
             for step in range(1, steps + 1):
@@ -186,3 +186,18 @@ def test_invalid_action_is_a_plugin_error_not_a_hang():
     assert errors == [None, None]
     for runner, ap in results:
         assert "must be >= 1" in runner.errors[0]["error"] and ap.calls == []
+
+
+def test_agreement_every_n_steps_queues_decisions():
+    class Grow(Policy):
+        def after_step(self, m):
+            return [SetBatchSize(micro_batches=m["step"] + 2, lr_rule="linear")] if m["step"] in (1, 2) else []
+
+    results, errors = run_ranks(2, lambda r: [Grow(), Raiser()], steps=5, every=3)
+    assert errors == [None, None]
+    for runner, ap in results:
+        # both decisions (steps 1 and 2) applied together at step 3, in order; the error reached rank 1 too
+        assert [s for s, _ in runner.action_log] == [3, 3, 3]  # + Raiser's step-1 SetLearningRate
+        assert ap.calls == [("batch", 3, 4), ("batch", 4, 4)]
+        assert ap.lrs == pytest.approx([0.1 * 2, 0.01 * 2])  # 16 -> 24 -> 32 samples, linear
+        assert runner.disabled == {1: "ValueError: bad plugin"}
