@@ -189,9 +189,9 @@ def _train(make_opt, steps: int = 4, passes: int = 1, opt_cls=torch.optim.SGD, *
     import horovod.torch as hvd
 
     model = _model()
+    # every rank builds the same weights from the seed (hvd.broadcast_parameters would do, but under MPI on
+    # a busy machine it costs seconds per call; it is exercised by the elastic test and the example)
     opt = make_opt(opt_cls(model.parameters(), lr=0.1, **opt_kw), model, passes)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(opt, root_rank=0)
     data = _batches(hvd.rank(), steps * passes)
     history = []
     for s in range(steps):
@@ -312,7 +312,6 @@ def policy_checks(steps: int = 6) -> Dict[str, Any]:
                                          {"step": 4, "micro_batch_size": 2, "aggregator": "adasum"}]},
         {"name": "launch.my_policy:PlateauLR", "patience": 1, "factor": 0.5, "min_delta": 100.0}]}}
     hook = ph.PolicyHook(opt, config=cfg, micro_batch_size=4, data=data)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     aggs, passes, samples = [], [], 0
     for _ in range(steps):
         opt.zero_grad()

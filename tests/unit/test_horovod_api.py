@@ -1,0 +1,57 @@
+"""pdv_ext.horovod pieces that need no running Horovod job (the rest runs under horovodrun in
+tests/integration/test_horovod_*.py)."""
+import pytest
+
+hvd = pytest.importorskip("horovod.torch")
+
+from pdv_ext.bench._horovod_timing import layer_sizes  # noqa: E402
+from pdv_ext.config import check_file, load_pdv  # noqa: E402
+from pdv_ext.integrations.horovod import PDVOptimizerType, resolve_aggregation  # noqa: E402
+
+
+def test_resolve_aggregation_follows_op():
+    assert resolve_aggregation(None, None, hvd) == "mean"
+    assert resolve_aggregation(None, hvd.Average, hvd) == "mean"
+    assert resolve_aggregation(None, hvd.Adasum, hvd) == "adasum"  # ours: any backend and rank count
+    assert resolve_aggregation(None, hvd.Sum, hvd) == hvd.Sum  # native
+    assert resolve_aggregation({"type": "gossip"}, hvd.Average, hvd) == {"type": "gossip"}
+
+
+def test_aggregation_and_op_conflict():
+    with pytest.raises(ValueError, match="not both"):
+        resolve_aggregation("adasum", hvd.Sum, hvd)
+
+
+def test_whole_pdv_config_gives_its_aggregation():
+    cfg = load_pdv({"aggregation": {"type": "gossip", "peers": 1}})
+    spec = resolve_aggregation(cfg, None, hvd)
+    assert spec.type == "gossip" and spec.options == {"peers": 1}
+
+
+def test_example_config_is_valid_and_top_level():
+    assert check_file("launch/configs/horovod.yaml") == []
+    cfg = load_pdv("launch/configs/horovod.yaml")
+    assert cfg.aggregation.type == "adasum" and cfg.policy.plugins
+
+
+def test_optimizer_marker_matches_only_ours():
+    import torch
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert not isinstance(opt, PDVOptimizerType)
+    opt._pdv_distributed = True
+    assert isinstance(opt, PDVOptimizerType)
+
+
+def test_comm_needs_init():
+    from pdv_ext.comm import HorovodComm
+
+    if hvd.is_initialized():
+        pytest.skip("Horovod already initialised in this process")
+    with pytest.raises(RuntimeError, match="hvd.init"):
+        HorovodComm()
+
+
+def test_layer_sizes_total():
+    sizes = layer_sizes(64)
+    assert sum(sizes) * 4 == 64 * 2 ** 20 and min(sizes) > 0
