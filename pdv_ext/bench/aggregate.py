@@ -256,6 +256,20 @@ def main(argv=None) -> int:
     else:
         log("horovod_adasum_ms: null (skipped: --quick / --no-horovod)")
     result["horovod_adasum_ms"] = round(hvd * 1e3, 2) if hvd is not None else None
+    hm: Dict[str, Any] = {}
+    if args.horovod:  # our mean through HorovodComm vs plain hvd allreduce (pdv_ext.bench._horovod_timing)
+        from ._horovod_timing import horovod_mean_timing
+
+        log("timing mean through HorovodComm vs hvd.allreduce(op=Average) under horovodrun --gloo ...")
+        try:
+            hm = horovod_mean_timing([_numel(s) for s in gpt_shapes(elements)], args.ranks, args.reps,
+                                     args.warmup, args.timeout)
+        except Exception as e:  # noqa: BLE001 - reported, the rest of the result stands
+            log(f"horovod_mean_ms: null ({e})")
+    else:
+        log("horovod_mean_ms: null (skipped: --quick / --no-horovod)")
+    result["horovod_mean_ms"] = hm.get("horovod_mean_ms")
+    result["hvd_allreduce_ms"] = hm.get("hvd_allreduce_ms")
     result["ranks"] = args.ranks
     result["mb"] = args.mb
     if result["adasum_ms"] and result["torch_allreduce_ms"]:
