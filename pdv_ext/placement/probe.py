@@ -1,0 +1,170 @@
+"""`pdv probe --out cluster.yaml`: measure the launched ranks and write a cluster YAML.
+
+Run under a launcher (torchrun, deepspeed, `pdv emulate`, ...): reads RANK / WORLD_SIZE / MASTER_ADDR /
+MASTER_PORT. Each rank measures its matmul throughput; then every pair of ranks, one pair at a time (the
+others wait), ping-pongs messages of several sizes over torch.distributed (gloo on CPU) send/recv. For
+each size the median round trip of `--reps` repetitions is halved, and latency + size / bandwidth is fitted
+by least squares on relative error; the bandwidth comes mostly from the large messages (default up to
+8 MiB, long enough that a token-bucket shaper's burst does not inflate it). Device names come from
+PDV_DEVICE_NAME (default rank<i>), hosts from PDV_HOST (default the hostname). Rank 0 writes the YAML:
+the median link inside and between hosts, plus per-pair overrides where a pair differs by more than 20%.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+DEFAULT_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 23)
+
+
+def fit_latency_bandwidth(sizes: Sequence[float], times: Sequence[float]) -> Tuple[float, float]:
+    """Least squares of t = latency + size / bandwidth, weighting points by 1/t (relative error)."""
+    s = np.asarray(sizes, dtype=float)
+    t = np.asarray(times, dtype=float)
+    a = np.stack([np.ones_like(s), s], axis=1) / t[:, None]
+    (lat, inv_bw), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+    if inv_bw <= 0:  # flat curve: the largest message gives a lower bound on bandwidth
+        inv_bw = max(t[-1] - t[0], 1e-12) / max(s[-1] - s[0], 1.0)
+    return max(float(lat), 0.0), 1.0 / float(inv_bw)
+
+
+def _pingpong(peer: int, me_first: bool, size: int, reps: int) -> List[float]:
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.empty(size // 4, dtype=torch.float32)
+    out = []
+    for r in range(reps + 1):
+        t0 = time.perf_counter()
+        if me_first:
+            dist.send(buf, peer)
+            dist.recv(buf, peer)
+        else:
+            dist.recv(buf, peer)
+            dist.send(buf, peer)
+        dt = time.perf_counter() - t0
+        if r:  # the first round trip warms up the connection
+            out.append(dt / 2)
+    return out
+
+
+def measure(sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 5, matmul_size: int = 512,
+            progress: bool = True) -> Optional[Dict]:
+    """Collective over the launched ranks; returns the cluster dict on rank 0 (None elsewhere)."""
+    import torch.distributed as dist
+
+    from .profile import matmul_throughput
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    name = os.environ.get("PDV_DEVICE_NAME") or f"rank{rank}"
+    host = os.environ.get("PDV_HOST") or socket.gethostname()
+    flops = matmul_throughput(matmul_size, reps=max(3, reps))
+    try:
+        import psutil
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        mem = float(psutil.virtual_memory().total) / max(local, 1)
+    except ImportError:
+        mem = None
+    infos: List = [None] * world
+    dist.all_gather_object(infos, {"name": name, "host": host, "throughput": flops, "memory": mem})
+    pairs = [(i, j) for i in range(world) for j in range(i + 1, world)]
+    bar = None
+    if progress and rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(pairs) * len(sizes), desc="probe p2p", unit="msg", file=sys.stderr)
+    results: Dict[Tuple[int, int], Tuple[float, float]] = {}
+    for i, j in pairs:
+        meds = []
+        for size in sizes:
+            if rank in (i, j):
+                ts = _pingpong(j if rank == i else i, rank == i, size, reps)
+                meds.append(statistics.median(ts))
+            if bar is not None:
+                bar.update(1)
+        if rank == i:
+            results[(i, j)] = fit_latency_bandwidth(sizes, meds)
+        dist.barrier()
+    if bar is not None:
+        bar.close()
+    gathered: List = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank != 0:
+        return None
+    links: Dict[Tuple[int, int], Tuple[float, float]] = {}
+    for part in gathered:
+        links.update(part)
+    return build_cluster(infos, links)
+
+
+def build_cluster(infos: List[Dict], links: Dict[Tuple[int, int], Tuple[float, float]]) -> Dict:
+    """Cluster dict from per-rank infos and measured (latency, bandwidth) per pair."""
+    intra = [v for (i, j), v in links.items() if infos[i]["host"] == infos[j]["host"]]
+    inter = [v for (i, j), v in links.items() if infos[i]["host"] != infos[j]["host"]]
+
+    def med(vals, default):
+        if not vals:
+            return default
+        return {"bandwidth": float(np.median([b for _, b in vals])), "latency": float(np.median([l for l, _ in vals]))}
+
+    intra_l = med(intra, {"bandwidth": 1e10, "latency": 1e-5})
+    inter_l = med(inter, intra_l)
+    overrides = []
+    for (i, j), (lat, bw) in sorted(links.items()):
+        ref = intra_l if infos[i]["host"] == infos[j]["host"] else inter_l
+        if abs(bw / ref["bandwidth"] - 1) > 0.2:
+            overrides.append({"a": infos[i]["name"], "b": infos[j]["name"], "bandwidth": float(bw),
+                              "latency": float(lat)})
+    devices = []
+    for inf in infos:
+        d = {"name": inf["name"], "host": inf["host"], "throughput": float(inf["throughput"])}
+        if inf.get("memory"):
+            d["memory"] = float(inf["memory"])
+        devices.append(d)
+    return {"devices": devices, "links": {"intra_host": dict(intra_l), "inter_host": dict(inter_l), "pairs": overrides},
+            "measured_pairs": [{"a": infos[i]["name"], "b": infos[j]["name"], "bandwidth": float(bw),
+                                "latency": float(lat)} for (i, j), (lat, bw) in sorted(links.items())]}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="pdv probe", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="cluster YAML to write (rank 0)")
+    ap.add_argument("--sizes", type=int, nargs="*", default=list(DEFAULT_SIZES), help="message sizes in bytes")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions per size (median)")
+    ap.add_argument("--matmul-size", type=int, default=512)
+    ap.add_argument("--backend", default=None, help="torch.distributed backend (default gloo; nccl p2p on GPUs)")
+    args = ap.parse_args(argv)
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        print(f"pdv probe: run me under a launcher (torchrun / deepspeed / pdv emulate); missing {', '.join(missing)}",
+              file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+    import yaml
+
+    dist.init_process_group(backend=args.backend or "gloo")
+    try:
+        data = measure(sorted(args.sizes), args.reps, args.matmul_size)
+        if data is not None:
+            measured = data.pop("measured_pairs")
+            with open(args.out, "w", encoding="utf-8") as f:
+                f.write("# written by pdv probe; measured_pairs (all pairs) are in the comment below\n")
+                yaml.safe_dump(data, f, sort_keys=False)
+                for p in measured:
+                    f.write(f"# {p['a']} <-> {p['b']}: {p['bandwidth'] * 8 / 1e6:.1f} Mbit/s, "
+                            f"{p['latency'] * 1e6:.0f} us\n")
+            print(f"pdv probe: {len(data['devices'])} devices, intra-host "
+                  f"{data['links']['intra_host']['bandwidth'] * 8 / 1e6:.1f} Mbit/s, inter-host "
+                  f"{data['links']['inter_host']['bandwidth'] * 8 / 1e6:.1f} Mbit/s -> {args.out}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0

@@ -1,0 +1,68 @@
+"""Cost model against a hand computation."""
+import pytest
+
+from pdv_ext.placement.cluster import Cluster
+from pdv_ext.placement.cost import evaluate
+from pdv_ext.placement.profile import LayerProfile, Profile
+
+
+def _setup():
+    cluster = Cluster.from_dict({
+        "devices": [{"name": "a", "host": "h0", "throughput": 2.0, "memory": 1000},
+                    {"name": "b", "host": "h0", "throughput": 2.0, "memory": 1000},
+                    {"name": "c", "host": "h1", "throughput": 1.0, "memory": 1000},
+                    {"name": "d", "host": "h1", "throughput": 1.0, "memory": 1000}],
+        "links": {"intra_host": {"bandwidth": 100.0, "latency": 0.01},
+                  "inter_host": {"bandwidth": 10.0, "latency": 0.1}}})
+    prof = Profile([LayerProfile("l0", 1.0, 10.0, 5.0, 2.0), LayerProfile("l1", 2.0, 20.0, 4.0, 3.0),
+                    LayerProfile("l2", 3.0, 30.0, 1.0, 4.0)])
+    return cluster, prof
+
+
+def test_hand_computation_1f1b():
+    cluster, prof = _setup()
+    # stage 0 = layers 0-1 on {a, c} (a DP group across hosts), stage 1 = layer 2 on {b, d}
+    cb = evaluate(prof, cluster, [0, 2, 3], [[0, 2], [1, 3]], micro_batches=4)
+    s0, s1 = cb.stages
+    # compute on the slowest device (speed 0.5 relative to the fastest)
+    assert s0.compute == pytest.approx((1 + 2) / 0.5)
+    assert s1.compute == pytest.approx(3 / 0.5)
+    # activation of layer 1 (4 bytes) to the next stage, fwd + bwd, worst replica pair: a->b intra, c->d intra
+    assert s0.comm == pytest.approx(2 * (0.01 + 4 / 100))
+    assert s1.comm == 0
+    # ring all-reduce over 2 devices across hosts: 2(w-1) * lat + 2(w-1)/w * bytes / bw; both groups cross
+    # h0-h1, so each gets half the inter-host bandwidth
+    assert s0.reduce == pytest.approx(2 * 0.1 + 1.0 * 30 / 5.0)
+    assert s1.reduce == pytest.approx(2 * 0.1 + 1.0 * 30 / 5.0)
+    t0, t1 = s0.compute + s0.comm, s1.compute
+    assert cb.pipeline_time == pytest.approx(3 * max(t0, t1) + t0 + t1)
+    assert cb.step_time == pytest.approx(cb.pipeline_time + max(s0.reduce, s1.reduce))
+    # memory: 4 x params + in-flight micro-batches x saved bytes (1F1B: stage 0 holds 2, stage 1 holds 1)
+    assert s0.memory == pytest.approx(4 * 30 + 2 * 5)
+    assert s1.memory == pytest.approx(4 * 30 + 1 * 4)
+    assert cb.feasible
+
+
+def test_gpipe_memory_and_infeasible():
+    cluster, prof = _setup()
+    cb = evaluate(prof, cluster, [0, 2, 3], [[0, 2], [1, 3]], micro_batches=4, schedule="gpipe")
+    assert cb.stages[0].memory == pytest.approx(4 * 30 + 4 * 5)
+    small = Cluster.from_dict({"devices": [{"name": "a", "host": "h", "memory": 50}, {"name": "b", "host": "h"}]})
+    cb = evaluate(prof, small, [0, 2, 3], [[0], [1]], micro_batches=1)
+    assert not cb.feasible and not cb.stages[0].fits and cb.stages[1].fits
+
+
+def test_aggregator_patterns_differ():
+    cluster, prof = _setup()
+    ring = evaluate(prof, cluster, [0, 3], [[0, 1, 2, 3]], 1, aggregator="mean").stages[0].reduce
+    gather = evaluate(prof, cluster, [0, 3], [[0, 1, 2, 3]], 1, aggregator="median").stages[0].reduce
+    gossip = evaluate(prof, cluster, [0, 3], [[0, 1, 2, 3]], 1, aggregator="gossip").stages[0].reduce
+    assert gossip < ring < gather
+
+
+def test_bad_boundaries():
+    cluster, prof = _setup()
+    with pytest.raises(ValueError):
+        evaluate(prof, cluster, [0, 3, 3], [[0, 2], [1, 3]], 1)
+    with pytest.raises(ValueError):
+        evaluate(prof, cluster, [0, 2], [[0, 2], [1, 3]], 1)
