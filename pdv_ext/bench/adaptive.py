@@ -156,9 +156,8 @@ def rank_main(**args: Any) -> Dict[str, Any]:
             out["adaptive_seconds_to_target"] = res["seconds"]
             out["adaptive_steps_to_target"] = res["steps"]
             out["adaptive_batches"] = res["batches"]
-            rows = eng.pdv_policy.monitor.rows
-            if rows:
-                out["adaptive_final_gns"] = rows[-1].get("gns")
+            gns = [r.get("gns") for r in eng.pdv_policy.monitor.rows if r.get("gns") is not None]
+            out["adaptive_gns_first_last"] = [gns[0], gns[-1]] if gns else None
         if eng.pdv_policy is not None:
             eng.pdv_policy.close()
         del eng
@@ -216,6 +215,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               "monitor_overhead_every_step": res["monitor_overhead_every_step"],
               "adaptive_steps_to_target": res.get("adaptive_steps_to_target"),
               "adaptive_batches": res.get("adaptive_batches"),
+              "adaptive_gns_first_last": res.get("adaptive_gns_first_last"),
               "best_fixed_batch": best["batch"] if best else None,
               "target_loss": args["target"], "ranks": a.ranks}
     emit(result, a.json)

@@ -50,7 +50,8 @@ class PolicyConfig(StrictModel):
     plugins: List[Dict[str, Any]] = []
     #: a plugin that raises is reported and disabled ("disable") or stops the run ("raise")
     on_error: Literal["disable", "raise"] = "disable"
-    #: ask the policies every N steps (metrics are still recorded every step)
+    #: gather metrics over all ranks and agree on actions every N steps (window means; rank 0 still
+    #: records a local row per step): one small collective per N steps
     every: int = 1
     #: LR rule used by SetBatchSize actions that do not name one
     lr_scaling: Literal["none", "linear", "sqrt", "adascale"] = "sqrt"

@@ -66,9 +66,11 @@ def test_plot_metrics(tmp_path):
     assert plot_metrics(str(p), str(tmp_path / "a.png")) == [
         "loss", "batch size (samples/step)", "gradient noise scale", "step time (s)"]
     assert (tmp_path / "a.png").stat().st_size > 1000
+    from pdv_ext.plot import read_columns
+
     only_loss = tmp_path / "l.csv"
-    only_loss.write_text("step,loss\n1,2.0\n2,1.0\n")
-    assert main(["metrics", str(only_loss), "--out", str(tmp_path / "b.png")]) == 0
+    only_loss.write_text("step,loss,gns\n1,2.0,\n2,1.0,\n")
+    assert set(read_columns(str(only_loss))) == {"loss"}  # empty columns are skipped
     bad = tmp_path / "bad.csv"
     bad.write_text("x,y\n1,2\n")
     assert main(["metrics", str(bad), "--out", str(tmp_path / "c.png")]) == 2
