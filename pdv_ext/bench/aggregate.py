@@ -122,6 +122,9 @@ def _rank(elements: int, reps: int, warmup: int, names: List[str]) -> Dict[str, 
             elif it >= warmup:
                 times[name].append(dt[0].item())
         order = [n for n in order if n not in missing]
+        if comm.rank == 0:  # progress, in the rank's log
+            print(f"iteration {it + 1}/{warmup + reps}: " + ", ".join(
+                f"{n} {times[n][-1] * 1e3:.0f} ms" for n in order if times[n]), file=sys.stderr, flush=True)
     return {"times": times, "missing": missing, "tensors": len(shapes)}
 
 
