@@ -16,10 +16,10 @@ CFG = {"candidates": 3, "rounds": 2, "probe_steps": 3, "keep_fraction": 0.34, "s
 @pytest.fixture(scope="module")
 def results():
     """One 2-rank run for both tests: standalone search_init, then pdv_ext.initialize with a 2-stage pipeline."""
-    return run_ranks("tests.integration.init_search_workers:search_both", 2, {"cfg": CFG}, timeout=170)
+    return run_ranks("tests.integration.init_search_workers:search_both", 2, {"cfg": CFG}, timeout=250)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_two_ranks_agree_on_the_winner_standalone(results):
     out = [r["standalone"] for r in results]
     a, b = sorted(out, key=lambda r: r["rank"])
@@ -32,7 +32,7 @@ def test_two_ranks_agree_on_the_winner_standalone(results):
     assert a["report"]["winner"]["score"] <= a["report"]["default_score"]
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_pipeline_stages_load_their_slice_of_the_winner(results):
     out = [r["pipeline"] for r in results]
     a, b = sorted(out, key=lambda r: r["stage_id"])
