@@ -1,0 +1,70 @@
+"""Plan JSON round trip, table, 1F1B schedule simulation, `pdv plan` / `pdv profile` CLI, config keys."""
+import json
+import os
+
+import pytest
+
+from pdv_ext.config import validate_pdv
+from pdv_ext.placement.cli import plan_main, profile_main, schedule_1f1b
+from pdv_ext.placement.cluster import synthetic_cluster
+from pdv_ext.placement.plan import Plan
+from pdv_ext.placement.profile import Profile
+from pdv_ext.placement.solvers import solve
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_plan_json_round_trip(tmp_path):
+    prof = Profile.synthetic(10, seed=2)
+    plan = solve("dp", prof, synthetic_cluster(4, per_host=2), 2, 4)
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    raw = json.load(open(path))
+    assert raw["boundaries"] == plan.boundaries and raw["rank_mapping"] == plan.rank_mapping
+    back = Plan.load(str(path))
+    assert back.to_dict() == plan.to_dict()
+    assert "predicted step time" in back.table()
+    with pytest.raises(ValueError):
+        Plan.from_dict({"boundaries": [0, 1]})
+
+
+def test_1f1b_simulation_within_the_cost_model_bounds():
+    times, b = [1.0, 2.0, 1.5], 6
+    sched = schedule_1f1b(times, b)
+    end = max(e for row in sched for _, _, _, e in row)
+    # the bottleneck stage is busy B * t_max; the cost model's (B-1) t_max + sum t is the upper bound
+    assert b * max(times) <= end <= (b - 1) * max(times) + sum(times) + 1e-9
+    uniform = schedule_1f1b([1.0] * 4, 8)
+    assert max(e for row in uniform for _, _, _, e in row) == pytest.approx(7 + 4)
+    for row in sched:  # each stage runs every micro-batch forward and backward once, without overlap
+        assert sorted((k, m) for k, m, _, _ in row) == sorted([("F", m) for m in range(b)] + [("B", m) for m in range(b)])
+        assert all(row[i][3] <= row[i + 1][2] + 1e-12 for i in range(len(row) - 1))
+
+
+def test_profile_and_plan_cli(tmp_path, capsys):
+    prof = tmp_path / "p.json"
+    assert profile_main(["--model", "mlp", "--layers", "6", "--hidden", "16", "--micro-batch", "4", "--reps", "2",
+                         "--out", str(prof)]) == 0
+    p = Profile.load(str(prof))
+    assert len(p) == 6 and all(l.fwd_bwd > 0 and l.act_bytes > 0 for l in p.layers)
+    assert p.layers[1].param_bytes == (16 * 16 + 16) * 4
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    cluster = os.path.join(ROOT, "launch", "clusters", "emulated_4dev.yaml")
+    capsys.readouterr()
+    assert plan_main(["--cluster", cluster, "--profile", str(prof), "--stages", "2", "--micro-batches", "4",
+                      "--out", str(out), "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "stage" in text and "predicted step time" in text
+    assert json.load(open(out))["boundaries"][-1] == 6 and png.stat().st_size > 1000
+    assert plan_main(["--cluster", cluster, "--profile", str(prof), "--stages", "3", "--out", str(out)]) == 2
+    assert plan_main(["--cluster", "/nonexistent.yaml", "--profile", str(prof)]) == 2
+
+
+def test_config_keys():
+    ok = {"placement": {"cluster": "c.yaml", "solver": "dp", "profile": "p.json", "num_stages": 2,
+                        "micro_batches": 4, "schedule": "gpipe", "input_shape": [4, 16]}}
+    assert validate_pdv(ok)[1] == []
+    _, errs = validate_pdv({"placement": {"cluster": "c.yaml", "solver": "dpp"}})
+    assert any("pdv.placement.solver" in e and "did you mean 'dp'" in e for e in errs)
+    _, errs = validate_pdv({"placement": {"cluster": "c.yaml", "plan": "x.json"}})
+    assert errs
