@@ -13,7 +13,17 @@ from typing import List, Optional
 
 V1_ROOT = "/sys/fs/cgroup/cpu"
 V2_ROOT = "/sys/fs/cgroup"
-PERIOD_US = 10000  # short period: per-layer timings (ms) see the average quota, not whole throttle gaps
+MIN_QUOTA_US = 1000  # the kernel's smallest quota
+
+
+def period_us(cores: float) -> int:
+    """CFS period for a group allowed `cores`: as short as the 1 ms minimum quota allows (2-10 ms).
+
+    A throttled rank cannot answer a message until its next period, so long periods add up to a
+    period of stall to every exchange with a slow device; short ones also make millisecond-long
+    layers see the average quota.
+    """
+    return int(min(10000, max(2000, MIN_QUOTA_US / max(cores, 1e-6))))
 
 
 class CgroupError(RuntimeError):
@@ -41,11 +51,14 @@ def shares(speeds: List[float], cpu_budget: float, top_share: Optional[float] = 
     return [r * top_share for r in rel]
 
 
-def weight(cores: float, version: int) -> int:
-    """CFS weight for a group allowed `cores`: one core weighs like 64 busy ordinary processes, so quotas, not contention, set the speeds."""
-    if version == 1:
-        return max(2, min(262144, int(65536 * cores)))  # cpu.shares, default 1024 per process
-    return max(1, min(10000, int(6400 * cores)))  # cpu.weight, default 100
+MAX_WEIGHT = {1: 262144, 2: 10000}  # cpu.shares (default 1024 per process) / cpu.weight (default 100)
+
+
+def weights(cores: List[float], version: int) -> List[int]:
+    """CFS weights proportional to the quotas, the fastest device at the maximum: on a busy machine the
+    run takes its CPU budget first, so quotas, not contention with other work, set the speeds."""
+    top = max(cores)
+    return [max(2 if version == 1 else 1, int(MAX_WEIGHT[version] * c / top)) for c in cores]
 
 
 class CpuGroups:
@@ -63,25 +76,32 @@ class CpuGroups:
     def create(self) -> None:
         os.mkdir(self.parent)
         # Weights as well as ceilings: on a busy machine the quota alone is not reached and every group
-        # would get the same share; weights proportional to speed keep the ratios under contention.
-        weights = [weight(c, self.version) for c in self.cores]
+        # would get the same share; weights proportional to speed keep the ratios under contention. A
+        # burst of one quota lets a rank catch up on runtime lost waiting for a CPU after a throttle
+        # (the average stays at the quota).
+        w = weights(self.cores, self.version)
         if self.version == 2:
             _write(os.path.join(self.parent, "cgroup.subtree_control"), "+cpu")
-            _write(os.path.join(self.parent, "cpu.weight"), str(min(10000, sum(weights))))
+            _write(os.path.join(self.parent, "cpu.weight"), str(MAX_WEIGHT[2]))
         else:
-            _write(os.path.join(self.parent, "cpu.shares"), str(min(262144, sum(weights))))
+            _write(os.path.join(self.parent, "cpu.shares"), str(MAX_WEIGHT[1]))
         for i, c in enumerate(self.cores):
             path = os.path.join(self.parent, f"d{i}")
             os.mkdir(path)
             self.paths.append(path)
-            quota = max(1000, int(round(c * PERIOD_US)))
+            period = period_us(c)
+            quota = max(MIN_QUOTA_US, int(round(c * period)))
             if self.version == 1:
-                _write(os.path.join(path, "cpu.cfs_period_us"), str(PERIOD_US))
+                _write(os.path.join(path, "cpu.cfs_period_us"), str(period))
                 _write(os.path.join(path, "cpu.cfs_quota_us"), str(quota))
-                _write(os.path.join(path, "cpu.shares"), str(weights[i]))
+                _write(os.path.join(path, "cpu.shares"), str(w[i]))
+                if os.path.exists(os.path.join(path, "cpu.cfs_burst_us")):
+                    _write(os.path.join(path, "cpu.cfs_burst_us"), str(quota))
             else:
-                _write(os.path.join(path, "cpu.max"), f"{quota} {PERIOD_US}")
-                _write(os.path.join(path, "cpu.weight"), str(weights[i]))
+                _write(os.path.join(path, "cpu.max"), f"{quota} {period}")
+                _write(os.path.join(path, "cpu.weight"), str(w[i]))
+                if os.path.exists(os.path.join(path, "cpu.max.burst")):
+                    _write(os.path.join(path, "cpu.max.burst"), str(quota))
 
     def procs_file(self, i: int) -> str:
         return os.path.join(self.paths[i], "cgroup.procs")

@@ -37,8 +37,11 @@ def test_cpu_shares_are_proportional_and_fit_the_budget():
     assert sum(cores) == pytest.approx(1.6)
     assert cgroup.shares([1.0, 1.0], cpu_budget=8.0) == [1.0, 1.0]  # never more than a core per rank
     assert cgroup.shares([1.0, 0.25], cpu_budget=8.0, top_share=0.5) == [0.5, 0.125]
-    assert cgroup.weight(0.5, 1) == 2 * cgroup.weight(0.25, 1)
-    assert 1 <= cgroup.weight(0.01, 2) and cgroup.weight(100.0, 2) <= 10000
+    assert cgroup.weights([0.5, 0.25], 1) == [262144, 131072]
+    assert cgroup.weights([0.5, 0.00001], 2) == [10000, 1]
+    for c in (1.0, 0.5, 0.145, 0.05):  # the kernel's 1 ms minimum quota; 2-10 ms periods
+        assert 2000 <= cgroup.period_us(c) <= 10000
+        assert c * cgroup.period_us(c) >= 1000 or cgroup.period_us(c) == 10000
 
 
 def test_network_commands_stay_in_own_namespaces(spec, monkeypatch):
