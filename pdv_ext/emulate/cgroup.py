@@ -6,6 +6,7 @@ others proportionally less. Every run gets its own parent group `pdv-<run id>` s
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -23,7 +24,7 @@ def period_us(cores: float) -> int:
     period of stall to every exchange with a slow device; short ones also make millisecond-long
     layers see the average quota.
     """
-    return int(min(10000, max(2000, MIN_QUOTA_US / max(cores, 1e-6))))
+    return int(min(10000, max(2000, math.ceil(MIN_QUOTA_US / max(cores, 1e-6)))))
 
 
 class CgroupError(RuntimeError):
