@@ -1,14 +1,13 @@
 """A data iterator whose position survives batch-size changes and checkpoints.
 
 The training stream is the concatenation of per-epoch permutations of the dataset (epoch e shuffled
-with seed `seed + e`): stream position i is sample `perm_e[i mod N]`, e = i // N. A step consumes the
-next `micro_batches * micro_batch_size * dp` positions; micro-batch k of the step goes to replica
-`k mod dp`... precisely: the j-th micro-batch pulled by replica d since the last re-base covers
-positions `base + (j * dp + d) * mbs ... + mbs`. Every replica pulls the same number of micro-batches
-per step, so after each step `base + j * dp * mbs` is the global position on every rank. Changing the
-micro-batch size re-bases at the current position: no position is skipped or read twice, so within an
-epoch every sample is seen exactly once whatever the batch sizes were (micro-batches may straddle
-epochs). The first and the last pipeline stage of a replica each hold one iterator; they stay in step.
+with seed `seed * 1000003 + e`): stream position i is sample `perm_e[i mod N]`, e = i // N. The j-th
+micro-batch that replica d pulls since the last re-base covers positions `base + (j * dp + d) * mbs`
+up to `+ mbs`. Every replica pulls the same number of micro-batches per step, so after each step
+`base + j * dp * mbs` is the global position on every rank. Changing the micro-batch size re-bases at
+the current position: no position is skipped or read twice, so within an epoch every sample is seen
+exactly once whatever the batch sizes were (micro-batches may straddle epochs). The first and the last
+pipeline stage of a replica each hold one iterator; they stay in step.
 """
 from __future__ import annotations
 
