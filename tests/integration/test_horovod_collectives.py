@@ -36,7 +36,12 @@ def _check_optimizer(results, n):
         if "adasum_maxdiff" in res:
             assert res["adasum_maxdiff"] < 1e-4
     if n <= 3:  # each rank averages itself and both neighbours = everyone: replicas agree (up to sum order)
-        assert all(r["ring_final"] == pytest.approx(results[0]["ring_final"]) for r in results)
+        flat = [_flat(r["ring_final"]) for r in results]
+        assert all(f == pytest.approx(flat[0], rel=1e-5, abs=1e-6) for f in flat)
+
+
+def _flat(x):
+    return [y for item in x for y in _flat(item)] if isinstance(x, list) else [x]
 
 
 def _check_policy(results, n):
@@ -60,19 +65,19 @@ def _check_all(results, n):
     _check_policy([r["policy"] for r in results], n)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 def test_gloo_three_ranks():
     """Non-power-of-two rank count on gloo; Horovod's tensor fusion off so that its own sum order is
     deterministic (with fusion on, two hvd.DistributedOptimizer runs on 3 ranks already differ in the
     last bit, and so would ours against it)."""
-    _check_all(run_horovod("all_checks", np=3, mode="gloo", env={"HOROVOD_FUSION_THRESHOLD": "0"}, timeout=220), 3)
+    _check_all(run_horovod("all_checks", np=3, mode="gloo", env={"HOROVOD_FUSION_THRESHOLD": "0"}, timeout=450), 3)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 def test_mpi_two_ranks():
     """MPI (fusion on), 2 ranks: the primitives, mean vs hvd.DistributedOptimizer, and our adasum against
     Horovod's MPI Adasum on the same tensors. (MPI ranks busy-poll: keep this launch small.)"""
-    results = run_horovod("mpi_checks", np=2, mode="mpi", timeout=220)
+    results = run_horovod("mpi_checks", np=2, mode="mpi", timeout=450)
     _check_comm([r["comm"] for r in results], 2)
     for r in results:
         opt = r["optimizer"]
