@@ -311,7 +311,7 @@ def search_init(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], d
         winner = survivors[0]
         cand: Candidate = winner["candidate"]
         if comm.rank == cand.rank:
-            if cfg.start_from == "probed":
+            if cfg.start_from == "probed" and math.isfinite(winner["score"]):  # never start from diverged weights
                 assert best_local is not None and best_local[1] == cand.id, "winner must be its owner's best"
                 _load(model, best_local[2])
             else:

@@ -161,3 +161,11 @@ def test_frozen_parameters_are_kept():
         assert not torch.equal(state["2.weight"], builder.base["2.weight"]), cand.id
     search_init(m, nn.functional.cross_entropy, batches(), None, CFG)
     assert torch.equal(m[0].weight, frozen)
+
+
+def test_all_diverged_never_loads_diverged_weights():
+    m = tiny_model()
+    rep = search_init(m, nn.functional.cross_entropy, batches(), None,
+                      {**CFG, "rounds": 1, "scales": [1e30], "schemes": ["xavier"], "start_from": "probed"})
+    assert rep["rounds"][0]["diverged"] == 4 and not math.isfinite(rep["winner"]["score"])
+    assert all(math.isfinite(float(p.detach().abs().max())) for p in m.parameters())
