@@ -105,6 +105,17 @@ def _optimise(profile: Profile, cluster: Cluster, w: int, micro_batches: int, sc
               steps: int, seed: int, lr: float):
     import torch
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: threads only add overhead (and fight other processes)
+    try:
+        return _optimise_inner(profile, cluster, w, micro_batches, schedule, aggregator, steps, seed, lr)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _optimise_inner(profile, cluster, w, micro_batches, schedule, aggregator, steps, seed, lr):
+    import torch
+
     L = len(profile)
     s = len(cluster) // w
     named = candidate_chains(cluster, w)
@@ -121,19 +132,22 @@ def _optimise(profile: Profile, cluster: Cluster, w: int, micro_batches: int, sc
     lat, ra = lat / scale, ra / scale
     bw, rb = bw * scale, rb / scale
     gen = torch.Generator().manual_seed(seed)
-    # start from the compute-balanced split
+    # start from the split that balances compute against the stages' mean speed over the chains
+    v0 = speed.mean(0).numpy()
     cum = np.concatenate([[0.0], np.cumsum(arr["fwd_bwd"])])
-    cuts0 = _round(np.array([np.searchsorted(cum, cum[-1] * i / s) for i in range(1, s)], dtype=float), L)
+    share = np.cumsum(v0) / v0.sum()
+    cuts0 = _round(np.array([np.searchsorted(cum, cum[-1] * share[i - 1]) for i in range(1, s)], dtype=float), L)
     theta = torch.log(torch.tensor(np.diff(cuts0), dtype=torch.float64)).requires_grad_(True)
     phi = torch.zeros(len(chains), dtype=torch.float64, requires_grad=True)
     opt = torch.optim.Adam([theta, phi], lr=lr)
     centers = torch.arange(L, dtype=torch.float64) + 0.5
     ends = torch.arange(1, L + 1, dtype=torch.float64)
     b1 = micro_batches - 1
+    tau0 = 0.5 * L / s
     last = float("nan")
     for step in range(steps):
         frac = step / max(1, steps - 1)
-        tau = 2.0 * (0.05 ** frac)          # layers
+        tau = tau0 * (0.1 ** frac)          # layers: from half a mean stage to a twentieth
         temp = 1.0 * (0.1 ** frac)          # Gumbel-softmax temperature
         inc = torch.softmax(theta, 0) * L
         cuts = torch.cumsum(inc, 0)[:-1]                                    # (S-1,)
@@ -175,8 +189,8 @@ def _optimise(profile: Profile, cluster: Cluster, w: int, micro_batches: int, sc
 
 @register_solver("differentiable")
 def solve_differentiable(profile: Profile, cluster: Cluster, num_stages: Optional[int], micro_batches: int,
-                         schedule: str = "1f1b", aggregator: str = "mean", steps: int = 300, seed: int = 0,
-                         lr: float = 0.05, max_widths: int = 6, **_: Any) -> Plan:
+                         schedule: str = "1f1b", aggregator: str = "mean", steps: int = 200, seed: int = 0,
+                         lr: float = 0.02, max_widths: int = 6, **_: Any) -> Plan:
     """Gradient descent on the relaxed cost (see module docstring), then rounding + repair."""
     t0 = time.perf_counter()
     widths = divisors_widths(len(cluster), len(profile), num_stages)

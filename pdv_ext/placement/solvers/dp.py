@@ -201,7 +201,7 @@ class ChainDP:
             Stops early once nothing at this m can beat the global best (then the outer walk stops too)."""
             nonlocal passes, exact
             f_best, f_bounds, f_mt = INF, None, INF
-            r_hi, r_lb = INF, None
+            r_hi, r_lb, walked = INF, None, 0
             band = self.band(m)
             lb = INF
             while passes < max_passes:
@@ -216,11 +216,13 @@ class ChainDP:
                 if no_reduce:
                     lb = f_best
                     break
-                if r_lb is None:  # the smallest achievable max r under m bounds every later pass
+                walked += 1
+                if r_lb is None and walked >= 3:  # a long walk: the smallest achievable max r bounds it
                     r_lb = self._min_max_r(m, band)
                     passes += 1
-                lb = min(f_best, st + r_lb)
-                if st + r_lb >= f_best or mr <= r_lb or b1 * m_star + lb >= best:
+                rl = r_lb or 0.0
+                lb = min(f_best, st + rl)
+                if st + rl >= f_best or mr <= rl or b1 * m_star + lb >= best:
                     break
                 r_hi = np.nextafter(mr, -INF)
             else:
