@@ -97,3 +97,16 @@ def pipeline_zeno(steps: int = 4, refresh_every: int = 2) -> Dict[str, Any]:
         error = str(exc)
     return {"losses": losses, "dropped": dropped, "weights": weights, "stage": eng.stage_id, "rank": dist.get_rank(),
             "validation_calls": calls, "error": error}
+
+
+def gloo_suite(specs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One process group for every plain-gloo check (start-up is the expensive part): the aggregators
+    under an omniscient attacker, then the rank functions of `pdv bench byzantine` and `convergence`."""
+    from pdv_ext.bench import byzantine, convergence
+
+    out = torch_aggregators(specs, byzantine=1, steps=3)
+    configs = byzantine.build_configs(["scaled"], [1], ["mean", "zeno"])
+    out["byzantine"] = byzantine.rank_main(configs, steps=15, batch=32, lr=0.5, hidden=32)
+    out["convergence"] = convergence.rank_main([{"aggregator": "mean", "lr": 1.0}, {"aggregator": "adasum", "lr": 1.0}],
+                                               batch=64, max_steps=40, target=0.6, eval_every=1, hidden=32)
+    return out

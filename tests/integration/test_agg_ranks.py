@@ -16,11 +16,10 @@ def flat(ts):
     return torch.cat([t.reshape(-1) for t in ts])
 
 
-@pytest.mark.timeout(180)
-def test_aggregators_over_torch_distributed_with_omniscient_attacker():
-    m, bad = 5, 1
-    res = run_ranks("tests.integration.agg_workers:torch_aggregators", m, {"specs": SPECS, "byzantine": bad},
-                    timeout=170)
+@pytest.mark.timeout(240)
+def test_aggregators_and_bench_ranks_over_torch_distributed():
+    m, bad = 4, 1
+    res = run_ranks("tests.integration.agg_workers:gloo_suite", m, {"specs": SPECS}, timeout=230)
     for s in range(3):
         honest = torch.stack([flat(rank_grads(r, s)) for r in range(m) if r != bad])
         attack = -10 * torch.stack([flat(rank_grads(r, s)) for r in range(m)]).mean(0)
@@ -30,7 +29,8 @@ def test_aggregators_over_torch_distributed_with_omniscient_attacker():
             outs = [r[name]["outs"][s] for r in res]
             assert all(torch.equal(o, outs[0]) for o in outs), name
             assert (outs[0] - honest.mean(0)).norm() < 0.25 * honest.mean(0).norm(), name
-        assert torch.allclose(res[0]["median"]["outs"][s], stack.median(0).values, atol=1e-6)
+        mid = stack.sort(0).values
+        assert torch.allclose(res[0]["median"]["outs"][s], (mid[1] + mid[2]) / 2, atol=1e-6)
         assert torch.allclose(res[0]["trimmed_mean"]["outs"][s], stack.sort(0).values[1:-1].mean(0), atol=1e-5)
         assert res[0]["zeno"]["reports"][s]["dropped"] == [bad]
         assert res[0]["suspicion"]["reports"][s]["dropped"] == [bad]
@@ -44,7 +44,17 @@ def test_aggregators_over_torch_distributed_with_omniscient_attacker():
     assert torch.allclose(total, sent, atol=1e-3)
     assert res[0]["gossip"]["reports"][2]["consensus_distance"] > 0
     for r in res:
-        assert "rank(s) 4" in r["nan_error"] and "step 11" in r["nan_error"]
+        assert "rank(s) 3" in r["nan_error"] and "step 11" in r["nan_error"]
+    # the benchmarks' rank functions: rank 0 returns the rows
+    clean = res[0]["byzantine"][0]
+    assert res[1]["byzantine"] is None
+    assert clean["attack"] == "none" and 0.3 < clean["accuracy"] <= 1.0  # the clean run comes first
+    attacked = [row for row in res[0]["byzantine"][1:]]
+    assert [r["aggregator"] for r in attacked] == ["mean", "zeno"]
+    assert attacked[1]["accuracy"] > attacked[0]["accuracy"]  # zeno survives what breaks the mean
+    conv = res[0]["convergence"]
+    assert [r["aggregator"] for r in conv] == ["mean", "adasum"]
+    assert conv[0]["steps_to_target"] is not None and conv[0]["final_loss"] <= 0.6
 
 
 @pytest.mark.timeout(300)
