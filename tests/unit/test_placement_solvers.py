@@ -71,12 +71,12 @@ def test_dp_prefers_fast_devices_for_heavy_stages():
         assert sizes[fast_stage[0]] >= sizes.max()
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1, 2])
 def test_differentiable_feasible_and_not_better_than_dp(seed):
     prof = Profile.synthetic(16, seed=seed, heavy_every=5)
     cluster = synthetic_cluster(8, per_host=4, generations=(1.0, 0.5))
     dp = solve("dp", prof, cluster, 4, 8)
-    diff = solve("differentiable", prof, cluster, 4, 8, steps=60)
+    diff = solve("differentiable", prof, cluster, 4, 8, steps=40)
     assert diff.feasible and len(diff.boundaries) == 5 and diff.boundaries[-1] == 16
     assert all(b > a for a, b in zip(diff.boundaries, diff.boundaries[1:]))
     assert sorted(r for g in diff.rank_mapping for r in g) == list(range(8))

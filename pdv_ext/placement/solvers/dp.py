@@ -310,15 +310,30 @@ def solve_dp(profile: Profile, cluster: Cluster, num_stages: Optional[int], micr
             # fastest group; every stage time adds up to at least all compute on the fastest group
             m_lb = max(total / v.sum(), biggest / v.max())
             cands.append(((micro_batches - 1) * m_lb + total / v.max(), name, chain))
-    cands.sort(key=lambda x: x[0])  # most promising chains first: their optimum prunes the others
-    for lb, name, chain in cands:
-        if lb >= best[0]:
-            break
+    cands.sort(key=lambda x: x[0])
+    # order the most promising chains by the sharper bound (B-1) M* + ...: the first solved optimum prunes
+    # the rest harder. Ordering only changes the speed, never the result.
+    head = [c for c in cands if c[0] <= 1.3 * cands[0][0]][:12] if cands else []
+    sharp = []
+    for lb, name, chain in head:
         dp = ChainDP(profile, stage_params(cluster, chain, micro_batches, schedule, aggregator))
-        if dp.lower_bound(micro_batches) >= best[0]:
-            passes, tried = passes + 1, tried + 1
+        sharp.append((dp.lower_bound(micro_batches), name, chain, dp))
+        passes += 1
+    sharp.sort(key=lambda x: x[0])
+    queue = sharp + [(lb, name, chain, None) for lb, name, chain in cands[len(head):]]
+    for lb, name, chain, dp in queue:
+        if lb >= best[0]:
+            if dp is None:
+                break  # the cheap bounds are sorted: nothing after this can win
             continue
+        if dp is None:
+            dp = ChainDP(profile, stage_params(cluster, chain, micro_batches, schedule, aggregator))
+            if dp.lower_bound(micro_batches) >= best[0]:
+                passes, tried = passes + 1, tried + 1
+                continue
         cost, bounds, p, ex = dp.solve(micro_batches, best[0])
+        dp._terms.clear()
+        dp._bands.clear()
         passes, exact, tried = passes + p, exact and ex, tried + 1
         if bounds is not None and cost < best[0]:
             best = (cost, bounds, chain, name)
