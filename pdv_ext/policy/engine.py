@@ -120,7 +120,7 @@ class PolicyGlue:
             if self.runner is not None:
                 ctx_step = int(self.engine.global_steps)
                 self.runner.on_train_begin(ctx_step)
-        self.monitor.begin_step()
+        self.monitor.begin_step(int(self.engine.global_steps) + 1)
 
     def end(self, loss: Any) -> Dict[str, Any]:
         """After train_batch: the Monitor's metrics; on agreement steps the runner applies the actions."""

@@ -83,7 +83,11 @@ class Monitor:
         self.begin_step()
 
     # ---- inputs during a step -------------------------------------------------------------------
-    def begin_step(self) -> None:
+    def begin_step(self, step: Optional[int] = None) -> None:
+        """Start the clock of step `step` (1-based, as end_step will get it). With `every` > 1 and a step
+        given, gradient norms are measured on the window's last step only (the GNS then gets one sample
+        per window: the cost of the two norm passes is divided by `every`)."""
+        self._norms_now = self.config.gns and (step is None or step % self.every == 0)
         self._t0 = time.perf_counter()
         self._compute = 0.0
         self._local_sq: Optional[torch.Tensor] = None
@@ -93,12 +97,12 @@ class Monitor:
         self._compute += seconds
 
     def add_local_grads(self, grads: Sequence[torch.Tensor]) -> None:
-        if self.config.gns:
+        if self._norms_now:
             s = sum_of_squares(grads)
             self._local_sq = s if self._local_sq is None else self._local_sq + s
 
     def add_aggregated_grads(self, grads: Sequence[torch.Tensor]) -> None:
-        if self.config.gns:
+        if self._norms_now:
             s = sum_of_squares(grads)
             self._agg_sq = s if self._agg_sq is None else self._agg_sq + s
 
@@ -139,7 +143,7 @@ class Monitor:
         n, g = w["n"], max(w["grads"], 1)
         mine = torch.tensor([w["wall"] / n, w["compute"] / n, w["local_sq"] / g, w["agg_sq"] / g,
                              math.nan if loss is None else float(loss), w["dropped"], w["cd"],
-                             1.0 if w["grads"] == n else 0.0], dtype=torch.float64)
+                             1.0 if w["grads"] else 0.0], dtype=torch.float64)
         rows = torch.stack(self.comm.all_gather(mine)) if self.comm.size > 1 else mine[None]
         m = self._combine(rows, step, lr, micro_batch_size, micro_batches)
         self._record(m)
