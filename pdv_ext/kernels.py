@@ -27,13 +27,17 @@ import hashlib
 import os
 import platform
 import threading
+import sys
 import warnings
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCE = os.path.join(_ROOT, "kernels", "pdv_kernels.cpp")
+# a checkout / editable install has kernels/ beside the package; a wheel installs it under share/pdv_ext
+SOURCE = next((p for p in (os.path.join(_ROOT, "kernels", "pdv_kernels.cpp"),
+                           os.path.join(sys.prefix, "share", "pdv_ext", "kernels", "pdv_kernels.cpp"))
+               if os.path.exists(p)), os.path.join(_ROOT, "kernels", "pdv_kernels.cpp"))
 _FAST_DTYPES = (torch.float32, torch.float64)
 
 
