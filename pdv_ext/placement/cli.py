@@ -85,11 +85,11 @@ def plot_gantt(plan: Any, path: str) -> None:
     sched = schedule_1f1b(compute, plan.micro_batches, comm)
     S = len(sched)
     fig, ax = plt.subplots(figsize=(12, 0.5 * S + 1.5))
-    cmap = plt.get_cmap("tab20")
+    cmap = plt.get_cmap("tab10")
     end = max(e for row in sched for _, _, _, e in row)
     for s, row in enumerate(sched):
         for kind, m, a, b in row:
-            ax.barh(S - 1 - s, b - a, left=a, color=cmap(m % 20), alpha=1.0 if kind == "F" else 0.55,
+            ax.barh(S - 1 - s, b - a, left=a, color=cmap(m % 10), alpha=1.0 if kind == "F" else 0.55,
                     edgecolor="black", linewidth=0.3)
         red = plan.stages[s]["reduce"]
         if red > 0:
