@@ -25,14 +25,26 @@ DEFAULT_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 23)
 
 
 def fit_latency_bandwidth(sizes: Sequence[float], times: Sequence[float]) -> Tuple[float, float]:
-    """Least squares of t = latency + size / bandwidth, weighting points by 1/t (relative error)."""
-    s = np.asarray(sizes, dtype=float)
-    t = np.asarray(times, dtype=float)
-    a = np.stack([np.ones_like(s), s], axis=1) / t[:, None]
-    (lat, inv_bw), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+    """Fit t = latency + size / bandwidth in two steps that each use the points that carry the signal.
+
+    Bandwidth: unweighted least squares over the larger half of the sizes (transfer-dominated; a
+    relative-error fit lets small messages, inflated by scheduling stalls on a throttled or busy host,
+    dominate and over-estimates bandwidth). Latency: the median residual of the smaller half.
+    """
+    order = np.argsort(np.asarray(sizes, dtype=float))
+    s = np.asarray(sizes, dtype=float)[order]
+    t = np.asarray(times, dtype=float)[order]
+    half = len(s) // 2
+    big_s, big_t = (s[half:], t[half:]) if len(s) - half >= 2 else (s, t)
+    if len(big_s) >= 2 and np.ptp(big_s) > 0:
+        inv_bw = float(np.polyfit(big_s, big_t, 1)[0])
+    else:
+        inv_bw = 0.0
     if inv_bw <= 0:  # flat curve: the largest message gives a lower bound on bandwidth
         inv_bw = max(t[-1] - t[0], 1e-12) / max(s[-1] - s[0], 1.0)
-    return max(float(lat), 0.0), 1.0 / float(inv_bw)
+    small_s, small_t = (s[:half], t[:half]) if half else (s, t)
+    lat = float(np.median(small_t - small_s * inv_bw))
+    return max(lat, 0.0), 1.0 / inv_bw
 
 
 def _pingpong(peer: int, me_first: bool, size: int, reps: int) -> List[float]:
