@@ -16,14 +16,10 @@ import os
 import sys
 import time
 
-import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 
-import pdv_ext.horovod as pdv_hvd
 from pdv_ext.config import ConfigError, split_config
-from pdv_ext.models import digits_data
-from pdv_ext.policy.data import ElasticBatches
 
 
 def parse_args(argv=None):
@@ -53,6 +49,12 @@ def main(argv=None) -> int:
         for line in exc.errors:
             print(line, file=sys.stderr)
         return 2
+    import horovod.torch as hvd
+
+    import pdv_ext.horovod as pdv_hvd
+    from pdv_ext.models import digits_data
+    from pdv_ext.policy.data import ElasticBatches
+
     hvd.init()
     torch.manual_seed(args.seed)
     x_tr, y_tr, x_te, y_te = digits_data(seed=args.seed)
