@@ -137,6 +137,11 @@ def rank_main(**args: Any) -> Dict[str, Any]:
     def data_for(eng: Any) -> ElasticBatches:
         return ElasticBatches.for_engine(eng, (x, y), seed=args["seed"])
 
+    warm = _engine(args, b0 // dp, args["lr"])  # process-level warm-up (allocator, gloo), not timed
+    warm_data = data_for(warm)
+    for _ in range(5):
+        warm.train_batch(data_iter=warm_data)
+    del warm
     runs = [("fixed", b) for b in args["batches"]]
     runs.insert(1, ("adaptive", b0))  # interleave: contention drifts over the run
     if args.get("overhead_only"):
