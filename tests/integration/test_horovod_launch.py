@@ -17,7 +17,7 @@ def test_example_single_rank(tmp_path):
                        "--steps", "4", "--eval-every", "2", "--out", str(tmp_path)], timeout=300)
     assert "held-out loss" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["aggregator"] == "adasum" and summary["samples"] == 4 * 16
+    assert summary["aggregator"] == "mean" and summary["samples"] == 4 * 16
     assert 0.0 <= summary["held_out_accuracy"] <= 1.0
 
 

@@ -31,7 +31,7 @@ def test_whole_pdv_config_gives_its_aggregation():
 def test_example_config_is_valid_and_top_level():
     assert check_file("launch/configs/horovod.yaml") == []
     cfg = load_pdv("launch/configs/horovod.yaml")
-    assert cfg.aggregation.type == "adasum" and cfg.policy.plugins
+    assert cfg.aggregation.type == "mean" and [p["name"] for p in cfg.policy.plugins] == ["gns_batch_size", "schedule"]
 
 
 def test_optimizer_marker_matches_only_ours():
