@@ -98,3 +98,14 @@ def test_guard_leaves_healthy_mean_bit_identical_and_robust_ones_alone():
     for plain, guarded, robust in run_threads(3, fn):
         assert all(torch.equal(a, b) for a, b in zip(plain, guarded))
         assert all(torch.isfinite(t).all() for t in robust)
+
+
+def test_all_finite_fast_path_is_exact():
+    from pdv_ext.aggregation.faults import all_finite
+
+    huge = torch.full((8,), 3e38)  # finite, but its sum overflows: the exact check must decide
+    assert all_finite([huge, torch.ones(3, dtype=torch.float16), torch.empty(0)])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.ones(5, dtype=torch.float64)
+        t[2] = bad
+        assert not all_finite([torch.ones(2), t])
