@@ -89,11 +89,32 @@ def build_aggregator(spec: Union[str, Dict[str, Any], Any, Aggregator, None] = N
     return cls(**spec)  # a factory function registered by a user
 
 
-def flatten(tensors: List[torch.Tensor]) -> torch.Tensor:
-    """One contiguous 1-D buffer of `tensors` (same dtype)."""
+def flatten(tensors: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One contiguous 1-D buffer of `tensors` (same dtype); written into `out` when given (reusing a
+    buffer avoids allocating — and page-faulting in — tens of MB every step)."""
     if not tensors:
         return torch.empty(0)
-    return torch._utils._flatten_dense_tensors([t.contiguous() for t in tensors])
+    if out is None:
+        return torch._utils._flatten_dense_tensors([t.contiguous() for t in tensors])
+    return torch.cat([t.reshape(-1) for t in tensors], out=out)
+
+
+class BufferCache:
+    """Reusable flat buffers keyed by (dtype, device, numel): one per gradient bucket."""
+
+    def __init__(self) -> None:
+        self._bufs: Dict[Any, torch.Tensor] = {}
+
+    def get(self, tensors: List[torch.Tensor]) -> torch.Tensor:
+        t0 = tensors[0]
+        key = (t0.dtype, t0.device, sum(t.numel() for t in tensors))
+        buf = self._bufs.get(key)
+        if buf is None:
+            buf = self._bufs[key] = torch.empty(key[2], dtype=t0.dtype, device=t0.device)
+        return buf
+
+    def clear(self) -> None:
+        self._bufs.clear()
 
 
 def unflatten_into(flat: torch.Tensor, tensors: List[torch.Tensor]) -> List[torch.Tensor]:

@@ -12,7 +12,7 @@ import torch
 
 from ..comm.base import Comm
 from ..config_base import StrictModel
-from .base import Aggregator, flatten, group_by_dtype, register_aggregator, unflatten_into
+from .base import Aggregator, BufferCache, flatten, group_by_dtype, register_aggregator, unflatten_into
 
 
 @register_aggregator("mean")
@@ -26,6 +26,10 @@ class Mean(Aggregator):
         predivide_factor: float = 1.0
         #: elements per flattened bucket (DeepSpeed's MEMORY_OPT_ALLREDUCE_SIZE)
         bucket_elements: int = 500_000_000
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._buffers = BufferCache()  # flat bucket buffers kept across steps (same arithmetic as a fresh one)
 
     def aggregate(self, grads: List[torch.Tensor], comm: Comm) -> List[torch.Tensor]:
         opt = self.options
@@ -44,7 +48,7 @@ class Mean(Aggregator):
 
     def _reduce_bucket(self, bucket: List[torch.Tensor], comm: Comm) -> None:
         opt, world = self.options, comm.size
-        buf = flatten(bucket)
+        buf = flatten(bucket, out=self._buffers.get(bucket))
         if opt.prescale:
             buf.mul_(1.0 / world)
             comm.all_reduce(buf, "sum")
