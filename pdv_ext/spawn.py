@@ -96,8 +96,36 @@ def run_ranks(target: str, world_size: int, kwargs: Optional[Dict[str, Any]] = N
                 log.close()
 
 
+def run_command(cmd: Sequence[str], env: Optional[Dict[str, str]] = None, timeout: float = 600.0,
+                tail_lines: int = 30) -> "tuple[Optional[int], str]":
+    """Run a launcher command (horovodrun, mpirun, deepspeed ...) in its own session with a hard timeout,
+    then kill whatever of its process tree is left. Returns (exit code, or None on timeout; the last
+    `tail_lines` lines of its combined output)."""
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(list(cmd), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc: Optional[int] = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            kill_group(proc)
+        log.seek(0)
+        return rc, "\n".join(log.read().decode(errors="replace").splitlines()[-tail_lines:])
+
+
 def kill_group(proc: subprocess.Popen) -> None:
-    """Kill a process started with start_new_session=True and everything it started."""
+    """Kill a process started with start_new_session=True and everything it started (descendants that
+    moved to other sessions, such as MPI daemons, included)."""
+    try:
+        import psutil
+
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+    except Exception:  # psutil missing or the leader already gone
+        pass
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)

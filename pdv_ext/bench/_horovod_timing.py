@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,18 +64,11 @@ def horovod_mean_timing(sizes: Optional[Sequence[int]] = None, ranks: int = 4, r
         cmd = [exe, "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo", "--network-interface", "lo",
                sys.executable, "-m", "pdv_ext.bench._horovod_timing", tmp]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        with tempfile.TemporaryFile() as log:
-            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                rc = None
-            finally:
-                _kill_tree(proc)
-            if rc != 0:
-                log.seek(0)
-                tail = log.read().decode(errors="replace").splitlines()[-30:]
-                raise RuntimeError(f"horovod timing job failed ({'timeout' if rc is None else rc}):\n" + "\n".join(tail))
+        from ..spawn import run_command
+
+        rc, tail = run_command(cmd, env=env, timeout=timeout)
+        if rc != 0:
+            raise RuntimeError(f"horovod timing job failed ({'timeout' if rc is None else rc}):\n{tail}")
         res = []
         for r in range(ranks):
             with open(os.path.join(tmp, f"result{r}.pkl"), "rb") as f:
@@ -90,26 +82,6 @@ def horovod_mean_timing(sizes: Optional[Sequence[int]] = None, ranks: int = 4, r
     return {"horovod_mean_ms": round(ours, 3), "hvd_allreduce_ms": round(theirs, 3),
             "horovod_ratio": round(ours / theirs, 4) if theirs > 0 else None,
             "horovod_equal": all(r["equal"] for r in res)}
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    import signal
-
-    try:
-        import psutil
-
-        kids = [k.pid for k in psutil.Process(proc.pid).children(recursive=True)]
-    except Exception:
-        kids = []
-    for pid in [proc.pid] + kids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def _rank(tmp: str) -> None:

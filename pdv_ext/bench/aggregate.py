@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -180,39 +178,14 @@ def horovod_adasum(ranks: int, elements: int, reps: int, warmup: int, timeout: f
         cmd = [hvdrun, "-np", str(ranks), "-H", f"localhost:{ranks}", "--mpi", "--network-interface", "lo",
                sys.executable, "-c", code]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        with tempfile.TemporaryFile() as logf:
-            proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                rc = None
-            finally:
-                _kill_tree(proc)
-            if rc != 0 or not os.path.exists(out):
-                logf.seek(0)
-                tail = "\n".join(logf.read().decode(errors="replace").splitlines()[-15:])
-                log(f"horovod_adasum_ms: null (horovodrun {'timed out' if rc is None else f'exit {rc}'})\n{tail}")
-                return None
+        from ..spawn import run_command
+
+        rc, tail = run_command(cmd, env=env, timeout=timeout, tail_lines=15)
+        if rc != 0 or not os.path.exists(out):
+            log(f"horovod_adasum_ms: null (horovodrun {'timed out' if rc is None else f'exit {rc}'})\n{tail}")
+            return None
         with open(out) as f:
             return median(json.load(f))
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    try:
-        import psutil
-
-        kids = psutil.Process(proc.pid).children(recursive=True)
-    except Exception:  # noqa: BLE001
-        kids = []
-    for pid in [proc.pid] + [k.pid for k in kids]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def main(argv=None) -> int:
