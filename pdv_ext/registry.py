@@ -83,6 +83,18 @@ class Registry(Generic[T]):
             return _add(obj)
         return _add
 
+    def register_class(self, name: Optional[str] = None):
+        """Class decorator for plug-in classes with a `name` attribute: registers the class under `name`
+        (or its own `name`) and sets `cls.name` to the key, so instances know what they are called."""
+
+        def deco(cls):
+            key = name or cls.name
+            cls.name = key
+            self.register(key, cls)
+            return cls
+
+        return deco
+
     def unregister(self, name: str) -> None:
         with self._lock:
             self._items.pop(name, None)

@@ -7,7 +7,7 @@ DeepSpeed's pipeline engine (one per stage, over the stage's data-parallel group
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Optional, Type, Union
+from typing import Any, ClassVar, Dict, List, Optional, Union
 
 import torch
 
@@ -62,14 +62,7 @@ class Aggregator:
 
 def register_aggregator(name: Optional[str] = None):
     """Class decorator: make an Aggregator selectable as `"pdv": {"aggregation": {"type": name}}`."""
-
-    def deco(cls: Type[Aggregator]) -> Type[Aggregator]:
-        key = name or cls.name
-        cls.name = key
-        AGGREGATORS.register(key, cls)
-        return cls
-
-    return deco
+    return AGGREGATORS.register_class(name)
 
 
 def build_aggregator(spec: Union[str, Dict[str, Any], Any, Aggregator, None] = None) -> Aggregator:

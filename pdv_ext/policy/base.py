@@ -140,14 +140,7 @@ class Policy:
 
 def register_policy(name: Optional[str] = None):
     """Class decorator: make a Policy usable as `{"name": name}` in `pdv.policy.plugins`."""
-
-    def deco(cls: Type[Policy]) -> Type[Policy]:
-        key = name or cls.name
-        cls.name = key
-        POLICIES.register(key, cls)
-        return cls
-
-    return deco
+    return POLICIES.register_class(name)
 
 
 def build_policy(spec: Union[str, Dict[str, Any], Policy]) -> Policy:
