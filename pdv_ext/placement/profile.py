@@ -112,21 +112,32 @@ def _nbytes(x: Any) -> float:
     return float(sum(t.numel() * t.element_size() for t in _tensors(x)))
 
 
-def matmul_throughput(size: int = 512, reps: int = 5, device: Optional[str] = None) -> float:
-    """Median FLOP/s of a size x size float32 matmul on `device`."""
+def matmul_throughput(size: int = 512, reps: int = 5, device: Optional[str] = None,
+                      min_sample_s: float = 0.0) -> float:
+    """Median FLOP/s of a size x size float32 matmul on `device`.
+
+    Each sample repeats the matmul until it lasts `min_sample_s`: a CPU-quota-throttled process runs in
+    bursts of one CFS period, so a sample must span many periods to see the average quota.
+    """
     import torch
 
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     a = torch.randn(size, size, device=dev)
     b = torch.randn(size, size, device=dev)
-    times = []
+    rates = []
     for _ in range(reps + 1):
+        n = 0
         if dev.startswith("cuda"):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        (a @ b).sum().item()
-        times.append(time.perf_counter() - t0)
-    return 2.0 * size ** 3 / statistics.median(times[1:])
+        while True:
+            (a @ b).sum().item()
+            n += 1
+            dt = time.perf_counter() - t0
+            if dt >= min_sample_s:
+                break
+        rates.append(2.0 * size ** 3 * n / dt)
+    return statistics.median(rates[1:])
 
 
 def profile_layers(layers: Sequence[Any], sample_input: Any, reps: int = 5, warmup: int = 1,
