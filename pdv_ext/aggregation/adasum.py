@@ -2,11 +2,14 @@
 
 Two gradients a, b of one tensor combine as `(1 - a·b/(2|a|²)) a + (1 - a·b/(2|b|²)) b` (a coefficient is 1
 where that squared norm is below `eps`): orthogonal gradients add, identical ones average. Across ranks
-the combination is the tree of Horovod's AdasumMPI: recursive vector-halving / distance-doubling. At the
-level of distance d, partners r and r^d swap halves of their current slice of one flat buffer holding
-every tensor, compute partial dot products and squared norms of each tensor on the half they keep (float64,
-`pdv_ext.kernels`), sum those few scalars over the block of 2d ranks that now jointly hold the two
-subtrees' results, and combine. A distance-halving gather then rebuilds the whole buffer on every rank.
+the combination is the tree of Horovod's AdasumMPI: recursive vector-halving / distance-doubling. The
+tensors are treated as one virtual flat buffer (their concatenation) but never copied into one: pieces of
+the gradients themselves are sent (`Comm.exchange` takes lists of tensors), partner halves land in one
+scratch buffer, and the combination is written back into the gradients. At the level of distance d,
+partners r and r^d swap halves of their current slice, compute partial dot products and squared norms of
+each tensor on the half they keep (float64, `pdv_ext.kernels`), sum those few scalars over the block of 2d
+ranks that now jointly hold the two subtrees' results (recursive doubling inside the block), and combine.
+A distance-halving gather then rebuilds every tensor on every rank, received straight into place.
 
 Unlike Horovod (MPI only, power-of-two ranks, global set) this runs on any `Comm`: the ranks beyond the
 largest power of two P fold their gradient into rank r - P first (a local pairwise Adasum) and get the
@@ -17,14 +20,14 @@ bit-identical. Every rank calls the same sequence of collectives (idle ranks wit
 from __future__ import annotations
 
 import bisect
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
 from .. import kernels
 from ..comm.base import Comm
 from ..config_base import StrictModel
-from .base import Aggregator, flatten, group_by_dtype, register_aggregator, unflatten_into
+from .base import Aggregator, group_by_dtype, register_aggregator
 
 Segs = List[Tuple[int, int, int]]  # (tensor index, start, end) in flat-buffer coordinates
 
@@ -48,31 +51,49 @@ class Adasum(Aggregator):
             return grads
         for idx in group_by_dtype(grads).values():  # one pass per dtype; every rank has the same groups
             tensors = [grads[i] for i in idx]
-            buf = flatten(tensors)
-            adasum_flat(buf, [t.numel() for t in tensors], comm, self.options.eps, self._scratch_for(buf))
-            unflatten_into(buf, tensors)
+            work = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+            n = sum(t.numel() for t in work)
+            adasum_tensors(work, comm, self.options.eps, self._scratch_for(work[0], n))
+            for t, w in zip(tensors, work):
+                if w is not t:
+                    t.copy_(w)
         return grads
 
-    def _scratch_for(self, buf: torch.Tensor) -> torch.Tensor:
-        s = self._scratch.get(buf.dtype)
-        if s is None or s.numel() < buf.numel() or s.device != buf.device:
-            s = torch.empty(buf.numel(), dtype=buf.dtype, device=buf.device)
-            self._scratch[buf.dtype] = s
-        return s[: buf.numel()]
+    def _scratch_for(self, like: torch.Tensor, n: int) -> torch.Tensor:
+        s = self._scratch.get(like.dtype)
+        if s is None or s.numel() < n or s.device != like.device:
+            s = torch.empty(n, dtype=like.dtype, device=like.device)
+            self._scratch[like.dtype] = s
+        return s[:n]
 
 
-def _segments(offsets: List[int], lo: int, hi: int) -> Segs:
-    """The pieces of each tensor inside [lo, hi) (empty pieces left out)."""
-    out: Segs = []
-    if hi <= lo:
+class _Virtual:
+    """Contiguous tensors seen as one flat buffer (their concatenation), without copying them into one."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.views = [t.view(-1) for t in tensors]
+        self.offsets = [0]
+        for v in self.views:
+            self.offsets.append(self.offsets[-1] + v.numel())
+        self.n = self.offsets[-1]
+
+    def segments(self, lo: int, hi: int) -> Segs:
+        """The pieces of each tensor inside [lo, hi) (empty pieces left out)."""
+        out: Segs = []
+        if hi <= lo:
+            return out
+        offsets = self.offsets
+        t = bisect.bisect_right(offsets, lo) - 1
+        while t < len(offsets) - 1 and offsets[t] < hi:
+            s, e = max(lo, offsets[t]), min(hi, offsets[t + 1])
+            if e > s:
+                out.append((t, s, e))
+            t += 1
         return out
-    t = bisect.bisect_right(offsets, lo) - 1
-    while t < len(offsets) - 1 and offsets[t] < hi:
-        s, e = max(lo, offsets[t]), min(hi, offsets[t + 1])
-        if e > s:
-            out.append((t, s, e))
-        t += 1
-    return out
+
+    def pieces(self, segs: Segs) -> List[torch.Tensor]:
+        """Views of the tensors for `segs`."""
+        return [self.views[t][s - self.offsets[t]:e - self.offsets[t]] for t, s, e in segs]
 
 
 def _coefficients(dot: torch.Tensor, mine: torch.Tensor, other: torch.Tensor, eps: float):
@@ -82,40 +103,53 @@ def _coefficients(dot: torch.Tensor, mine: torch.Tensor, other: torch.Tensor, ep
     return ca, cb
 
 
-def _combine(buf: torch.Tensor, recv: torch.Tensor, segs: Segs, ca: torch.Tensor, cb: torch.Tensor) -> None:
-    if not segs:
-        return
-    a = [buf[s:e] for _, s, e in segs]
-    b = [recv[s:e] for _, s, e in segs]
-    ts = torch.tensor([t for t, _, _ in segs])
-    kernels.adasum_combine(a, b, ca[ts], cb[ts], out=a)
+def _block_sum(part: torch.Tensor, comm: Comm, rank: int, block: int, active: bool) -> torch.Tensor:
+    """Sum `part` over the aligned block of `block` ranks holding `rank`, by recursive doubling (a + b
+    on one side, b + a on the other: bitwise the same, so every member gets the identical sum)."""
+    tmp = torch.empty_like(part)
+    mask = 1
+    while mask < block:
+        if active:
+            comm.exchange({rank ^ mask: part}, {rank ^ mask: tmp})
+            part = part + tmp
+        else:
+            comm.exchange({}, {})
+        mask *= 2
+    return part
 
 
-def adasum_flat(buf: torch.Tensor, sizes: List[int], comm: Comm, eps: float = 1e-8,
-                scratch: torch.Tensor = None) -> torch.Tensor:
-    """Adasum of `buf` (the concatenation of tensors of `sizes`) across `comm`, in place; returns `buf`."""
+def adasum_tensors(tensors: Sequence[torch.Tensor], comm: Comm, eps: float = 1e-8,
+                   scratch: torch.Tensor = None) -> Sequence[torch.Tensor]:
+    """Adasum of each of `tensors` (contiguous, one dtype) across `comm`, in place; returns `tensors`."""
     size, rank = comm.size, comm.rank
-    if size == 1:
-        return buf
-    n_t = len(sizes)
-    offsets = [0]
-    for s in sizes:
-        offsets.append(offsets[-1] + s)
-    n = offsets[-1]
-    if buf.numel() != n:
-        raise ValueError(f"adasum_flat: buffer has {buf.numel()} elements, sizes sum to {n}")
-    recv = scratch if scratch is not None else torch.empty_like(buf)
+    if size == 1 or not tensors:
+        return tensors
+    buf = _Virtual(tensors)
+    n, n_t = buf.n, len(buf.views)
+    recv = scratch if scratch is not None else torch.empty(n, dtype=buf.views[0].dtype, device=buf.views[0].device)
+    if recv.numel() != n:
+        raise ValueError(f"adasum: scratch has {recv.numel()} elements, the tensors {n}")
+
+    def into_recv(segs: Segs) -> List[torch.Tensor]:
+        return [recv[s:e] for _, s, e in segs]
+
+    def combine(segs: Segs, ca: torch.Tensor, cb: torch.Tensor) -> None:
+        if segs:
+            ts = torch.tensor([t for t, _, _ in segs])
+            mine = buf.pieces(segs)
+            kernels.adasum_combine(mine, into_recv(segs), ca[ts], cb[ts], out=mine)
+
     p2 = 1 << (size.bit_length() - 1)
     extra = size - p2
 
     # fold in: rank p2+i hands its gradient to rank i, which combines the two locally
+    everything = buf.segments(0, n)
     if rank >= p2:
-        comm.exchange({rank - p2: buf}, {})
+        comm.exchange({rank - p2: buf.pieces(everything)}, {})
     elif rank < extra:
-        comm.exchange({}, {rank + p2: recv})
-        segs = _segments(offsets, 0, n)
-        dot, mine, other = kernels.adasum_dots([buf[s:e] for _, s, e in segs], [recv[s:e] for _, s, e in segs])
-        _combine(buf, recv, segs, *_coefficients(dot, mine, other, eps))
+        comm.exchange({}, {rank + p2: into_recv(everything)})
+        dot, mine, other = kernels.adasum_dots(buf.pieces(everything), into_recv(everything))
+        combine(everything, *_coefficients(dot, mine, other, eps))
     else:
         comm.exchange({}, {})
 
@@ -127,50 +161,57 @@ def adasum_flat(buf: torch.Tensor, sizes: List[int], comm: Comm, eps: float = 1e
     while dist < p2:
         part = torch.zeros(3, n_t, dtype=torch.float64)
         left = (rank & dist) == 0
+        segs: Segs = []
         if active:
             peer = rank ^ dist
             mid = lo + (hi - lo) // 2
             (klo, khi), (slo, shi) = ((lo, mid), (mid, hi)) if left else ((mid, hi), (lo, mid))
-            comm.exchange({peer: buf[slo:shi]}, {peer: recv[klo:khi]})
-            segs = _segments(offsets, klo, khi)
+            segs = buf.segments(klo, khi)
+            comm.exchange({peer: buf.pieces(buf.segments(slo, shi))}, {peer: into_recv(segs)})
             if segs:
                 ts = torch.tensor([t for t, _, _ in segs])
-                dot, na, nb = kernels.adasum_dots([buf[s:e] for _, s, e in segs], [recv[s:e] for _, s, e in segs])
+                dot, na, nb = kernels.adasum_dots(buf.pieces(segs), into_recv(segs))
                 part[0, ts] = dot
                 part[1, ts] = na if left else nb  # row 1: the left subtree's |.|², row 2: the right one's
                 part[2, ts] = nb if left else na
         else:
             comm.exchange({}, {})
-        gathered = comm.all_gather(part.reshape(-1))
+        tot = _block_sum(part.reshape(-1), comm, rank, 2 * dist, active).view(3, n_t)
         if active:
-            base = rank - rank % (2 * dist)
-            tot = gathered[base].clone()
-            for r in range(base + 1, base + 2 * dist):  # fixed order: the same sum on every member
-                tot += gathered[r]
-            tot = tot.view(3, n_t)
             dot, nl, nr = tot[0], tot[1], tot[2]
             ca, cb = _coefficients(dot, nl, nr, eps) if left else _coefficients(dot, nr, nl, eps)
-            _combine(buf, recv, segs, ca, cb)
+            combine(segs, ca, cb)
             kept.append((dist, lo, hi))
             lo, hi = klo, khi
         dist *= 2
 
-    # all-gather by distance halving: swap finished slices until every rank holds the whole buffer
+    # all-gather by distance halving: swap finished slices, straight into the tensors, until every rank
+    # holds everything
     for level in range(p2.bit_length() - 2, -1, -1):
         if active:
             dist, plo, phi = kept[level]
             peer = rank ^ dist
             olo, ohi = (hi, phi) if (rank & dist) == 0 else (plo, lo)
-            comm.exchange({peer: buf[lo:hi]}, {peer: buf[olo:ohi]})
+            comm.exchange({peer: buf.pieces(buf.segments(lo, hi))}, {peer: buf.pieces(buf.segments(olo, ohi))})
             lo, hi = plo, phi
         else:
             comm.exchange({}, {})
 
     # fold out
     if rank >= p2:
-        comm.exchange({}, {rank - p2: buf})
+        comm.exchange({}, {rank - p2: buf.pieces(everything)})
     elif rank < extra:
-        comm.exchange({rank + p2: buf}, {})
+        comm.exchange({rank + p2: buf.pieces(everything)}, {})
     else:
         comm.exchange({}, {})
+    return tensors
+
+
+def adasum_flat(buf: torch.Tensor, sizes: List[int], comm: Comm, eps: float = 1e-8,
+                scratch: torch.Tensor = None) -> torch.Tensor:
+    """Adasum of `buf` (the concatenation of tensors of `sizes`) across `comm`, in place; returns `buf`."""
+    if buf.numel() != sum(sizes):
+        raise ValueError(f"adasum_flat: buffer has {buf.numel()} elements, sizes sum to {sum(sizes)}")
+    flat = buf.view(-1)
+    adasum_tensors(list(torch.split(flat, list(sizes))), comm, eps, scratch)
     return buf

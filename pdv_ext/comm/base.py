@@ -10,11 +10,20 @@ Ranks in this API are always ranks *within the group* (0 .. size-1).
 from __future__ import annotations
 
 import pickle
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Union
 
 import torch
 
 OPS = ("sum", "max", "min", "avg")
+
+#: what `exchange` moves between two ranks: one tensor, or a list of tensors sent as one logical message
+#: (so an algorithm can send pieces of several tensors without first copying them into one buffer)
+Message = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+def parts(msg: Message) -> List[torch.Tensor]:
+    """The tensors of a message, in order."""
+    return [msg] if isinstance(msg, torch.Tensor) else list(msg)
 
 
 class Comm:
@@ -38,11 +47,12 @@ class Comm:
         """Overwrite `tensor` in place with group rank `src`'s; returns it."""
         raise NotImplementedError
 
-    def exchange(self, sends: Dict[int, torch.Tensor], recvs: Dict[int, torch.Tensor]) -> None:
+    def exchange(self, sends: Dict[int, Message], recvs: Dict[int, Message]) -> None:
         """Collective point-to-point: send `sends[peer]` to each peer and fill `recvs[peer]` from each.
 
         Every rank of the group must call it (with possibly empty dicts); the pattern must be
-        symmetric in the sense that what rank a sends to b, b expects from a with the same size.
+        symmetric in the sense that what rank a sends to b, b expects from a with the same size (for a
+        list message: the same number of parts with the same sizes, in order).
         """
         raise NotImplementedError
 

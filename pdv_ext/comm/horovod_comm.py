@@ -15,7 +15,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .base import Comm
+from .base import Comm, Message, parts
 
 
 def _hvd():
@@ -113,20 +113,21 @@ class HorovodComm(Comm):
             tensor.copy_(work)
         return tensor
 
-    def exchange(self, sends: Dict[int, torch.Tensor], recvs: Dict[int, torch.Tensor]) -> None:
+    def exchange(self, sends: Dict[int, Message], recvs: Dict[int, Message]) -> None:
         me, n = self.rank, self.size
         for peer in list(sends) + list(recvs):
             if not 0 <= peer < n:
                 raise ValueError(f"exchange: peer {peer} is not a rank of this group (size {n})")
         if me in sends and me in recvs:
-            recvs[me].copy_(sends[me])
+            for dst, src in zip(parts(recvs[me]), parts(sends[me])):
+                dst.copy_(src)
         if n == 1:
             return
         chunks, splits = [], []
         for peer in range(n):
-            b = _bytes(sends[peer]) if peer in sends and peer != me else torch.empty(0, dtype=torch.uint8)
-            chunks.append(b)
-            splits.append(b.numel())
+            bs = [_bytes(t) for t in parts(sends[peer])] if peer in sends and peer != me else []
+            chunks += bs
+            splits.append(sum(b.numel() for b in bs))
         payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
         out, got = self._hvd.alltoall(payload, splits=torch.tensor(splits, dtype=torch.int32),
                                       name=self._name("alltoall"), process_set=self.process_set)
@@ -135,14 +136,18 @@ class HorovodComm(Comm):
         for peer in range(n):
             size = got[peer]
             if peer in recvs and peer != me:
-                dst = recvs[peer]
-                want = dst.numel() * dst.element_size()
+                dsts = parts(recvs[peer])
+                want = sum(d.numel() * d.element_size() for d in dsts)
                 if size != want:
                     raise RuntimeError(f"exchange: rank {me} expected {want} bytes from rank {peer}, got {size}")
-                if dst.is_contiguous():
-                    _bytes(dst).copy_(out[offset:offset + size])
-                else:
-                    dst.copy_(out[offset:offset + size].clone().view(dst.dtype).view(dst.shape))
+                pos = offset
+                for dst in dsts:
+                    nb = dst.numel() * dst.element_size()
+                    if dst.is_contiguous():
+                        _bytes(dst).copy_(out[pos:pos + nb])
+                    else:
+                        dst.copy_(out[pos:pos + nb].clone().view(dst.dtype).view(dst.shape))
+                    pos += nb
             elif size:
                 raise RuntimeError(f"exchange: rank {peer} sent {size} bytes to rank {me}, which expected none")
             offset += size

@@ -6,7 +6,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .base import Comm
+from .base import Comm, Message, parts
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -56,17 +56,20 @@ class TorchComm(Comm):
             dist.broadcast(tensor, src=self._global[src], group=self.group)
         return tensor
 
-    def exchange(self, sends: Dict[int, torch.Tensor], recvs: Dict[int, torch.Tensor]) -> None:
+    def exchange(self, sends: Dict[int, Message], recvs: Dict[int, Message]) -> None:
         ops = []
-        # post receives first, then sends, in peer order: deterministic and deadlock-free on gloo
+        # post receives first, then sends, in peer order: deterministic and deadlock-free on gloo; the
+        # parts of a list message go as separate messages, matched in order on the other side
         for peer in sorted(recvs):
             if peer != self.rank:
-                ops.append(dist.P2POp(dist.irecv, recvs[peer], self._global[peer], self.group))
+                ops += [dist.P2POp(dist.irecv, t, self._global[peer], self.group) for t in parts(recvs[peer])]
         for peer in sorted(sends):
             if peer != self.rank:
-                ops.append(dist.P2POp(dist.isend, sends[peer].contiguous(), self._global[peer], self.group))
+                ops += [dist.P2POp(dist.isend, t.contiguous(), self._global[peer], self.group)
+                        for t in parts(sends[peer])]
         if self.rank in sends and self.rank in recvs:
-            recvs[self.rank].copy_(sends[self.rank])
+            for dst, src in zip(parts(recvs[self.rank]), parts(sends[self.rank])):
+                dst.copy_(src)
         if ops:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
-from pdv_ext.comm.base import Comm
+from pdv_ext.comm.base import Comm, parts
 
 
 class _Hub:
@@ -57,11 +57,15 @@ class ThreadComm(Comm):
 
     def exchange(self, sends, recvs):
         self._count("exchange")
-        for peer, t in sends.items():
-            self.hub.mail[(self.rank, peer)] = t.detach().clone()
+        for peer, msg in sends.items():
+            self.hub.mail[(self.rank, peer)] = [t.detach().clone() for t in parts(msg)]
         self.hub.barrier.wait()
-        for peer, buf in recvs.items():
-            buf.copy_(self.hub.mail.pop((peer, self.rank)))
+        for peer, msg in recvs.items():
+            got = self.hub.mail.pop((peer, self.rank))
+            dsts = parts(msg)
+            assert [d.numel() for d in dsts] == [g.numel() for g in got], "exchange: parts differ in size"
+            for dst, src in zip(dsts, got):
+                dst.copy_(src.view_as(dst))
         self.hub.barrier.wait()
 
     def barrier(self):
