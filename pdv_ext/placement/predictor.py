@@ -1,16 +1,15 @@
 """Latency predictor for collectives, point-to-point and matmul.
 
-Why this shape: a collective's time has two physically different parts.
+Why this shape: a collective's time has physically different parts.
 
-* **Inside a host** (NVLink / PCIe / shared memory) the achievable bandwidth depends on the local group
-  shape (how many devices, which ones, how many groups run at once) in ways a single alpha-beta pair does
-  not capture (NCCL uses several rings over a cube-mesh). We keep a measured curve per
+* **Inside a host** (NVLink / PCIe) the achievable bandwidth depends on the local group shape (how many
+  devices, which ones, how many groups run at once) in ways a single alpha-beta pair does not capture
+  (NCCL uses several rings over a cube-mesh). We keep a measured curve per
   (collective, local group size, stride, concurrent groups) and interpolate it piecewise-linearly in
-  log(size) / log(time) - this covers the launch-overhead plateau (the small-message "saturation" part)
-  and the bandwidth regime. Unseen shapes fall back to a fitted alpha-beta model with the
-  algorithm's byte factor (ring all-reduce moves 2(n-1)/n of the buffer per device, etc.).
-* **Across hosts** the host's network link is the bottleneck and is shared by every group that crosses
-  it (contention). Bytes crossing one host's link per group, S = buffer bytes as the database counts them:
+  log(size) / log(time): the small-message plateau (per-step software latency) and the bandwidth regime.
+  Unseen shapes fall back to a fitted alpha-beta model with the algorithm's byte factor.
+* **Across hosts** the host's network link is shared by every group that crosses it. Bytes crossing one
+  host's link per group, S = buffer bytes as the database counts them:
 
   ============== ======================= ===========================================================
   collective     bytes on a host's link   why
@@ -23,13 +22,21 @@ Why this shape: a collective's time has two physically different parts.
   ============== ======================= ===========================================================
 
   times the number G of groups crossing the same host link at once, divided by the inter-host
-  bandwidth, plus per-step latency. The inter-host link parameters come from the cluster (probe output
-  or YAML); when the training data has multi-host meshes they are fitted from it instead.
+  bandwidth, plus per-round latency. The link parameters come from the cluster (probe output or YAML);
+  when the training data has multi-host meshes they are fitted from it instead.
+* **Element granularity.** Alpa's profiler splits the buffer into whole elements: an all-gather /
+  reduce-scatter with fewer elements than devices (all-to-all: fewer than n^2) runs no collective at all
+  and costs only the empty loop iteration - decided in elements, so f16 and f32 differ.
+* **The database is bandwidth-monotone.** Alpa stores `size / max_{s' <= s} (s' / t(s'))` over the
+  profiled power-of-two sizes (`MeshProfilingResult.make_monotonic`); that is why tiny messages show
+  times doubling per size step from the empty-loop time. Fitting undoes it (clipped points are dropped, so
+  curves hold raw times); `as_profiled` re-applies it so predictions are compared like for like.
 
 The model is a JSON-serialisable dict (`fit` -> `save`/`load` -> `predict`).
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
@@ -45,6 +52,7 @@ DEFAULT_DB = os.path.join(DATA_DIR, "alpa_prof_database.json")
 # The Alpa OSDI'22 cluster: AWS p3.16xlarge, 25 Gbit/s between hosts (Alpa paper, sec. 8). Used only when
 # the training data has no multi-host mesh from which the inter-host link could be fitted.
 DEFAULT_INTER_HOST = {"bandwidth": 25e9 / 8, "latency": 30e-6}
+MIN_ELEMENT_BYTES = 2  # element size assumed when a shape does not say (f16)
 
 
 def ring_factor(coll: str, n: int) -> float:
@@ -68,24 +76,21 @@ def inter_host_bytes(coll: str, n: int, hosts: int, local: int, nbytes: float) -
     return nbytes  # p2p
 
 
-MIN_ELEMENT_BYTES = 2  # smallest element (f16): a chunk smaller than this is empty
-
-
-def _chunk_bytes(coll: str, n: int, nbytes: float) -> float:
-    """Bytes of the per-peer chunk of one round (the all-reduce buffer is not split below one element)."""
-    if coll in ("all_gather", "reduce_scatter"):
-        return nbytes / n
-    if coll == "all_to_all":
-        return nbytes / n ** 2
-    return nbytes
-
-
 def inter_host_steps(coll: str, n: int, hosts: int) -> int:
     """Latency-bound message rounds that cross hosts."""
     if hosts <= 1:
         return 0
     return {"all_reduce": 2 * (hosts - 1), "all_gather": n - 1, "reduce_scatter": n - 1,
             "all_to_all": 1}.get(coll, 1)
+
+
+def is_empty(coll: str, n: int, elements: float) -> bool:
+    """Alpa's profiler skips the collective when a device's piece has no whole element."""
+    if coll in ("all_gather", "reduce_scatter"):
+        return elements < n
+    if coll == "all_to_all":
+        return elements < n * n
+    return False  # all-reduce runs even on zero elements
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -116,13 +121,14 @@ def load_db(path: Optional[str] = None) -> Dict[str, Any]:
 
 
 def iter_points(mesh: Dict[str, Any]) -> Iterable[Tuple[str, Dict[str, int], float, float]]:
-    """(kind, shape, size_bytes_or_flops, seconds) for every non-null point of a mesh."""
+    """(kind, shape, size_bytes_or_flops, seconds) for every non-null point of a mesh; collective shapes
+    carry `elem_bytes` (the dtype's element size)."""
     per_host = int(mesh["mesh_shape"][1])
     for coll, series in mesh.get("collectives", {}).items():
         for s in series:
             shape = group_shape(s["replica_groups"], per_host)
             shape["per_host"] = per_host
-            b = DTYPE_BYTES.get(s.get("dtype", "f32"), 4)
+            shape["elem_bytes"] = b = DTYPE_BYTES.get(s.get("dtype", "f32"), 4)
             for size, t in s["points"]:
                 if t is not None and math.isfinite(t):
                     yield coll, shape, float(size) * b, float(t)
@@ -130,6 +136,22 @@ def iter_points(mesh: Dict[str, Any]) -> Iterable[Tuple[str, Dict[str, int], flo
         for flops, t in s["points"]:
             if t is not None and math.isfinite(t):
                 yield "dot:" + s.get("dtype", "f32"), {}, float(flops), float(t)
+
+
+def raw_points(coll: str, n: int, points: Sequence[Sequence[Any]]) -> Tuple[List[Tuple[float, float]], List[float]]:
+    """Split one profiled series (sizes in elements) into (raw non-empty points, empty-loop times).
+
+    A point whose bandwidth equals the running maximum of the smaller sizes was rewritten by Alpa's
+    make_monotonic: its raw time is unknown, so it is dropped (size 0 is never rewritten)."""
+    raw, empty, best = [], [], 0.0
+    for size, t in sorted((p for p in points if p[1] is not None and math.isfinite(p[1])), key=lambda p: p[0]):
+        clipped = size > 0 and size / t <= best * (1 + 1e-9)
+        best = max(best, size / t)
+        if is_empty(coll, n, size):
+            empty.append(t)
+        elif not clipped:
+            raw.append((float(size), float(t)))
+    return raw, empty
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -144,14 +166,16 @@ def _curve(points: List[Tuple[float, float]]) -> Dict[str, List[float]]:
 
 
 def _interp(curve: Dict[str, List[float]], x: float) -> float:
-    xs = np.log2(np.asarray(curve["x"], dtype=float) + 1.0)
-    ts = np.log(np.asarray(curve["t"], dtype=float))
-    lx = math.log2(x + 1.0)
-    if lx <= xs[0]:
-        return float(math.exp(ts[0]))
-    if lx >= xs[-1]:  # beyond the data: linear in size from the last point (bandwidth regime)
-        return float(math.exp(ts[-1]) * (x + 1.0) / (curve["x"][-1] + 1.0))
-    return float(math.exp(np.interp(lx, xs, ts)))
+    """Log-log interpolation; flat below the first point (latency plateau), linear in size beyond the last."""
+    xs, ts = curve["x"], curve["t"]
+    if x <= xs[0]:
+        return ts[0]
+    if x >= xs[-1]:  # beyond the data: bandwidth regime
+        return ts[-1] * (x + 1.0) / (xs[-1] + 1.0)
+    i = bisect.bisect_right(xs, x)
+    x0, x1 = math.log2(xs[i - 1] + 1.0), math.log2(xs[i] + 1.0)
+    w = (math.log2(x + 1.0) - x0) / (x1 - x0)
+    return math.exp((1 - w) * math.log(ts[i - 1]) + w * math.log(ts[i]))
 
 
 def _fit_alpha_beta(points: List[Tuple[float, float]], factor: float) -> Dict[str, float]:
@@ -178,25 +202,33 @@ class Predictor:
     def fit(cls, meshes: Sequence[Dict[str, Any]], inter_host: Optional[Dict[str, float]] = None) -> "Predictor":
         curves: Dict[str, List[Tuple[float, float]]] = defaultdict(list)
         by_n: Dict[str, List[Tuple[float, float]]] = defaultdict(list)
+        empty: List[float] = []
         dots: Dict[str, List[Tuple[float, float]]] = defaultdict(list)
         multi_host: List[Tuple[str, Dict[str, int], float, float]] = []
         for mesh in meshes:
-            for kind, shape, x, t in iter_points(mesh):
-                if kind.startswith("dot:"):
-                    dots[kind[4:]].append((x, t))
-                elif shape["hosts"] > 1:
-                    multi_host.append((kind, shape, x, t))
-                else:
-                    curves[_key(kind, shape["n"], shape["stride"], shape["groups_per_host"])].append((x, t))
-                    by_n[f"{kind}|{shape['n']}"].append((x, t))
+            for coll, series in mesh.get("collectives", {}).items():
+                for s in series:
+                    shape = group_shape(s["replica_groups"], int(mesh["mesh_shape"][1]))
+                    shape["elem_bytes"] = b = DTYPE_BYTES.get(s.get("dtype", "f32"), 4)
+                    raw, emp = raw_points(coll, shape["n"], s["points"])
+                    empty += emp
+                    pts = [(size * b, t) for size, t in raw]
+                    if shape["hosts"] > 1:
+                        multi_host += [(coll, shape, x, t) for x, t in pts]
+                        continue
+                    curves[_key(coll, shape["n"], shape["stride"], shape["groups_per_host"])] += pts
+                    by_n[f"{coll}|{shape['n']}"] += pts
+            for s in mesh.get("dot", []):
+                dots[s.get("dtype", "f32")] += [(x, t) for x, t in s["points"] if t is not None and math.isfinite(t)]
         model: Dict[str, Any] = {
-            "version": 1,
+            "version": 2,
             "curves": {k: _curve(v) for k, v in curves.items()},
             "alpha_beta": {k: _fit_alpha_beta(v, ring_factor(k.split("|")[0], int(k.split("|")[1])) or 1.0)
                            for k, v in by_n.items()},
+            "empty_op": float(np.median(empty)) if empty else 0.0,
             "dot": {k: _curve(v) for k, v in dots.items()},
             "inter_host": dict(inter_host or DEFAULT_INTER_HOST),
-            "inter_host_source": "given" if inter_host else "default (Alpa cluster: 25 Gbit/s)",
+            "inter_host_source": "given" if inter_host else "default (Alpa cluster: 25 Gbit/s, TCP)",
         }
         pred = cls(model)
         if multi_host and not inter_host:
@@ -208,10 +240,10 @@ class Predictor:
         rows, ys = [], []
         for coll, sh, x, t in pts:
             base = self._intra(coll, sh, x)
-            steps = inter_host_steps(coll, sh["n"], sh["hosts"])
+            crossing = inter_host_steps(coll, sh["n"], sh["hosts"])
             nbytes = sh["groups_per_host"] * inter_host_bytes(coll, sh["n"], sh["hosts"], sh["local"], x)
-            if t > 1.5 * base:
-                rows.append([steps / t, nbytes / t])
+            if x > 0 and t > 1.5 * base:
+                rows.append([crossing / t, nbytes / t])
                 ys.append(1.0 - base / t)
         if len(rows) >= 2:
             (lat, inv_bw), *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
@@ -232,8 +264,6 @@ class Predictor:
     def _intra(self, coll: str, shape: Dict[str, int], nbytes: float) -> float:
         """Time of the host-local part: the local sub-group (k devices) with the same stride/concurrency."""
         k = shape.get("local", shape["n"])
-        if k <= 1 and shape.get("hosts", 1) > 1:
-            k = 1
         curve = self.model["curves"].get(_key(coll, k, shape.get("stride", 1 if k > 1 else 0),
                                               shape.get("groups_per_host", 1)))
         if curve is None:  # nearest measured concurrency for this (collective, size), else alpha-beta
@@ -248,26 +278,37 @@ class Predictor:
             sizes = [int(key.split("|")[1]) for key in self.model["alpha_beta"] if key.startswith(coll + "|")]
             if not sizes:
                 return 0.0
-            m = max(sizes)
-            ab = self.model["alpha_beta"][f"{coll}|{m}"]
+            ab = self.model["alpha_beta"][f"{coll}|{max(sizes)}"]
         return max(ab["floor"], ab["alpha"] + (ring_factor(coll, k) or 1.0) * nbytes * ab["inv_bw"])
 
     def collective(self, coll: str, nbytes: float, shape: Dict[str, int],
                    inter_host: Optional[Dict[str, float]] = None) -> float:
         """Seconds for `coll` on `nbytes` (buffer as the database counts it) over groups of `shape`
-        (see `group_shape`; a dict with n, hosts, local, stride, groups_per_host)."""
+        (see `group_shape`; a dict with n, hosts, local, stride, groups_per_host, optional elem_bytes)."""
         if coll == "p2p":
             return self.p2p(nbytes, shape.get("hosts", 1) > 1, inter_host)
+        n, hosts, k = shape["n"], shape.get("hosts", 1), shape.get("local", shape["n"])
+        if is_empty(coll, n, nbytes / shape.get("elem_bytes", MIN_ELEMENT_BYTES)):
+            return self.model.get("empty_op", 0.0)
         t = self._intra(coll, shape, nbytes)
-        if shape.get("hosts", 1) > 1:
+        if hosts > 1 and nbytes > 0:
             link = inter_host or self.model["inter_host"]
-            steps = inter_host_steps(coll, shape["n"], shape["hosts"])
-            if _chunk_bytes(coll, shape["n"], nbytes) < MIN_ELEMENT_BYTES:
-                steps = 0  # every per-peer chunk is empty: nothing crosses the link
-            crossing = shape.get("groups_per_host", 1) * inter_host_bytes(
-                coll, shape["n"], shape["hosts"], shape.get("local", 1), nbytes)
-            t += steps * link["latency"] + crossing / link["bandwidth"]
+            t += inter_host_steps(coll, n, hosts) * link["latency"]
+            t += shape.get("groups_per_host", 1) * inter_host_bytes(coll, n, hosts, k, nbytes) / link["bandwidth"]
         return t
+
+    def as_profiled(self, coll: str, nbytes: float, shape: Dict[str, int]) -> float:
+        """`collective` as Alpa's database records it: bandwidth made monotone over the power-of-two
+        element counts up to this size (make_monotonic)."""
+        elem = shape.get("elem_bytes", MIN_ELEMENT_BYTES)
+        count = nbytes / elem
+        if count < 1:
+            return self.collective(coll, nbytes, shape)
+        sizes = [2.0 ** i for i in range(int(math.log2(count)) + 1)]
+        if sizes[-1] < count:
+            sizes.append(count)
+        best = max(s / self.collective(coll, s * elem, shape) for s in sizes)
+        return count / best
 
     def p2p(self, nbytes: float, inter: bool, link: Optional[Dict[str, float]] = None,
             intra: Optional[Dict[str, float]] = None) -> float:
@@ -284,9 +325,10 @@ class Predictor:
         return _interp(curve, flops)
 
     def predict_point(self, kind: str, shape: Dict[str, int], x: float) -> float:
+        """A database point: matmul, or a collective as profiled (see `as_profiled`)."""
         if kind.startswith("dot:"):
             return self.matmul(x, kind[4:])
-        return self.collective(kind, x, shape)
+        return self.as_profiled(kind, x, shape)
 
 
 # ---------------------------------------------------------------------------------------------------
