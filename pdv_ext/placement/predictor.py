@@ -8,6 +8,11 @@ Why this shape: a collective's time has physically different parts.
   (collective, local group size, stride, concurrent groups) and interpolate it piecewise-linearly in
   log(size) / log(time): the small-message plateau (per-step software latency) and the bandwidth regime.
   Unseen shapes fall back to a fitted alpha-beta model with the algorithm's byte factor.
+* **Steps.** NCCL's algorithms are chains of steps: a ring all-gather / reduce-scatter over n devices has
+  n-1 steps on its critical path, all-to-all exchanges with its n-1 peers one after another, a multi-host
+  all-reduce is a local reduce, a tree across the hosts (up and down) and a local broadcast. A group that
+  spans hosts has more steps than its local part; each costs what a step costs inside a host (the
+  single-host plateau per group size, fitted), and a step that crosses hosts also pays the link latency.
 * **Across hosts** the host's network link is shared by every group that crosses it. Bytes crossing one
   host's link per group, S = buffer bytes as the database counts them:
 
@@ -22,8 +27,9 @@ Why this shape: a collective's time has physically different parts.
   ============== ======================= ===========================================================
 
   times the number G of groups crossing the same host link at once, divided by the inter-host
-  bandwidth, plus per-round latency. The link parameters come from the cluster (probe output or YAML);
-  when the training data has multi-host meshes they are fitted from it instead.
+  bandwidth. Latency is not shared: concurrent groups wait for their messages in parallel. The link
+  parameters come from the cluster (probe output or YAML); when the training data has multi-host meshes
+  they are fitted from it instead.
 * **Element granularity.** Alpa's profiler splits the buffer into whole elements: an all-gather /
   reduce-scatter with fewer elements than devices (all-to-all: fewer than n^2) runs no collective at all
   and costs only the empty loop iteration - decided in elements, so f16 and f32 differ.
@@ -49,8 +55,10 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 DEFAULT_DB = os.path.join(DATA_DIR, "alpa_prof_database.json")
-# The Alpa OSDI'22 cluster: AWS p3.16xlarge, 25 Gbit/s between hosts (Alpa paper, sec. 8). Used only when
-# the training data has no multi-host mesh from which the inter-host link could be fitted.
+# The Alpa OSDI'22 cluster: AWS p3.16xlarge, 25 Gbit/s between hosts (Alpa paper, sec. 8), TCP sockets
+# (no GPUDirect RDMA). Latency: one TCP message through the host's network stack, ~30 us on top of a
+# host-local NCCL step (nccl-tests over TCP between two V100 hosts: ~40 us for an 8-byte broadcast, of
+# which ~10 us is the NCCL step itself). Used only when the training data has no multi-host mesh.
 DEFAULT_INTER_HOST = {"bandwidth": 25e9 / 8, "latency": 30e-6}
 MIN_ELEMENT_BYTES = 2  # element size assumed when a shape does not say (f16)
 
@@ -76,12 +84,23 @@ def inter_host_bytes(coll: str, n: int, hosts: int, local: int, nbytes: float) -
     return nbytes  # p2p
 
 
-def inter_host_steps(coll: str, n: int, hosts: int) -> int:
-    """Latency-bound message rounds that cross hosts."""
+def extra_steps(coll: str, n: int, hosts: int, local: int) -> Tuple[int, int]:
+    """(steps beyond the local group's own, how many of them cross hosts) on the critical path.
+
+    Ring (all-gather / reduce-scatter): n-1 steps instead of local-1; of the ring's n edges one leaves
+    each host, and the n-1 consecutive steps a chunk travels miss only one edge - a host-local one unless
+    every device is alone on its host. All-to-all: one exchange per remote peer. All-reduce: a tree
+    across the hosts, up then down."""
     if hosts <= 1:
-        return 0
-    return {"all_reduce": 2 * (hosts - 1), "all_gather": n - 1, "reduce_scatter": n - 1,
-            "all_to_all": 1}.get(coll, 1)
+        return 0, 0
+    if coll == "all_reduce":
+        tree = 2 * math.ceil(math.log2(hosts))
+        return tree, tree
+    if coll in ("all_gather", "reduce_scatter"):
+        return n - local, hosts if local >= 2 else hosts - 1
+    if coll == "all_to_all":
+        return n - local, n - local
+    return 1, 1  # p2p
 
 
 def is_empty(coll: str, n: int, elements: float) -> bool:
@@ -191,6 +210,23 @@ def _fit_alpha_beta(points: List[Tuple[float, float]], factor: float) -> Dict[st
     return {"floor": floor, "alpha": max(float(alpha), 0.0), "inv_bw": max(float(inv_bw), 1e-15)}
 
 
+def _step_curve(plateaus: Dict[int, List[float]]) -> Dict[str, List[float]]:
+    """Small-message time per group size on one host (the software cost of its steps)."""
+    ns = sorted(plateaus)
+    return {"n": ns, "t": [float(np.median(plateaus[n])) for n in ns]}
+
+
+def _step_latency(curve: Dict[str, List[float]], n: float) -> float:
+    """Piecewise linear in group size; beyond the largest measured size, the least-squares slope over
+    sizes >= 2 (every further step costs about the same)."""
+    ns, ts = curve["n"], curve["t"]
+    if n <= ns[-1]:
+        return float(np.interp(n, ns, ts))
+    big = [(m, t) for m, t in zip(ns, ts) if m >= 2]
+    slope = float(np.polyfit([m for m, _ in big], [t for _, t in big], 1)[0]) if len(big) >= 2 else 0.0
+    return ts[-1] + max(slope, 0.0) * (n - ns[-1])
+
+
 class Predictor:
     """Collective / p2p / matmul latency. Build with `fit(meshes)` or `load(path)`."""
 
@@ -202,6 +238,7 @@ class Predictor:
     def fit(cls, meshes: Sequence[Dict[str, Any]], inter_host: Optional[Dict[str, float]] = None) -> "Predictor":
         curves: Dict[str, List[Tuple[float, float]]] = defaultdict(list)
         by_n: Dict[str, List[Tuple[float, float]]] = defaultdict(list)
+        plateaus: Dict[str, Dict[int, List[float]]] = defaultdict(lambda: defaultdict(list))
         empty: List[float] = []
         dots: Dict[str, List[Tuple[float, float]]] = defaultdict(list)
         multi_host: List[Tuple[str, Dict[str, int], float, float]] = []
@@ -218,6 +255,9 @@ class Predictor:
                         continue
                     curves[_key(coll, shape["n"], shape["stride"], shape["groups_per_host"])] += pts
                     by_n[f"{coll}|{shape['n']}"] += pts
+                    small = [t for x, t in pts if x > 0][:3]
+                    if small:
+                        plateaus[coll][shape["n"]].append(float(np.median(small)))
             for s in mesh.get("dot", []):
                 dots[s.get("dtype", "f32")] += [(x, t) for x, t in s["points"] if t is not None and math.isfinite(t)]
         model: Dict[str, Any] = {
@@ -225,6 +265,7 @@ class Predictor:
             "curves": {k: _curve(v) for k, v in curves.items()},
             "alpha_beta": {k: _fit_alpha_beta(v, ring_factor(k.split("|")[0], int(k.split("|")[1])) or 1.0)
                            for k, v in by_n.items()},
+            "steps": {k: _step_curve(v) for k, v in plateaus.items()},
             "empty_op": float(np.median(empty)) if empty else 0.0,
             "dot": {k: _curve(v) for k, v in dots.items()},
             "inter_host": dict(inter_host or DEFAULT_INTER_HOST),
@@ -239,8 +280,8 @@ class Predictor:
         """Least squares (relative error) of latency and 1/bandwidth on multi-host training points."""
         rows, ys = [], []
         for coll, sh, x, t in pts:
-            base = self._intra(coll, sh, x)
-            crossing = inter_host_steps(coll, sh["n"], sh["hosts"])
+            base = self._intra(coll, sh, x) + self._step_time(coll, sh)
+            crossing = extra_steps(coll, sh["n"], sh["hosts"], sh["local"])[1]
             nbytes = sh["groups_per_host"] * inter_host_bytes(coll, sh["n"], sh["hosts"], sh["local"], x)
             if x > 0 and t > 1.5 * base:
                 rows.append([crossing / t, nbytes / t])
@@ -281,6 +322,15 @@ class Predictor:
             ab = self.model["alpha_beta"][f"{coll}|{max(sizes)}"]
         return max(ab["floor"], ab["alpha"] + (ring_factor(coll, k) or 1.0) * nbytes * ab["inv_bw"])
 
+    def _step_time(self, coll: str, shape: Dict[str, int]) -> float:
+        """Software time of the steps a multi-host group has beyond its local part (see `extra_steps`)."""
+        curve = self.model.get("steps", {}).get(coll)
+        k = shape.get("local", shape["n"])
+        extra = extra_steps(coll, shape["n"], shape.get("hosts", 1), k)[0]
+        if curve is None or extra == 0:
+            return 0.0
+        return max(_step_latency(curve, k + extra) - _step_latency(curve, k), 0.0)
+
     def collective(self, coll: str, nbytes: float, shape: Dict[str, int],
                    inter_host: Optional[Dict[str, float]] = None) -> float:
         """Seconds for `coll` on `nbytes` (buffer as the database counts it) over groups of `shape`
@@ -293,7 +343,8 @@ class Predictor:
         t = self._intra(coll, shape, nbytes)
         if hosts > 1 and nbytes > 0:
             link = inter_host or self.model["inter_host"]
-            t += inter_host_steps(coll, n, hosts) * link["latency"]
+            crossing = extra_steps(coll, n, hosts, k)[1]
+            t += self._step_time(coll, shape) + crossing * link["latency"]
             t += shape.get("groups_per_host", 1) * inter_host_bytes(coll, n, hosts, k, nbytes) / link["bandwidth"]
         return t
 
