@@ -175,5 +175,19 @@ def perplexity(loss: float) -> float:
 
 def seed_layer(seed) -> None:
     """`seed_fn` for PipelineModule(seed_layers=True): per-layer seeds make initial weights independent of
-    the placement (DeepSpeed's own seeding chokes on the numpy ints its partitioner returns)."""
-    torch.manual_seed(int(seed))
+    the placement (DeepSpeed's own seeding chokes on the numpy ints its partitioner returns).
+
+    DeepSpeed calls it before every layer of every forward. Without an accelerator only the CPU generator
+    is seeded (the same state `torch.manual_seed` gives it): `torch.manual_seed` also queues lazy seeding
+    of every absent accelerator type, each call capturing a Python stack trace — milliseconds per layer
+    inside a deep pipeline forward, a third of a small model's step.
+    """
+    seed = int(seed)
+    if _ACCELERATED:
+        torch.manual_seed(seed)
+    else:
+        torch.random.default_generator.manual_seed(seed)
+
+
+_ACCELERATED = (torch.cuda.is_available() or torch.backends.mps.is_available()
+                or (hasattr(torch, "xpu") and torch.xpu.is_available()))
