@@ -74,7 +74,7 @@ def schedule_1f1b(stage_times: List[float], micro_batches: int, comm: Optional[L
 
 
 def plot_gantt(plan: Any, path: str) -> None:
-    """Gantt chart of the 1F1B schedule per stage (row label = its devices), plus the reduction."""
+    """Gantt chart of the 1F1B schedule per stage (row label = its devices), plus the reduction and update."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,13 +91,13 @@ def plot_gantt(plan: Any, path: str) -> None:
         for kind, m, a, b in row:
             ax.barh(S - 1 - s, b - a, left=a, color=cmap(m % 10), alpha=1.0 if kind == "F" else 0.55,
                     edgecolor="black", linewidth=0.3)
-        red = plan.stages[s]["reduce"]
+        red = plan.stages[s]["reduce"] + plan.stages[s].get("update", 0.0)
         if red > 0:
             ax.barh(S - 1 - s, red, left=end, color="grey", hatch="//", edgecolor="black", linewidth=0.3)
     ax.set_yticks(range(S))
     ax.set_yticklabels([f"stage {s} dev {','.join(map(str, plan.stages[s]['devices']))}"[:32]
                         for s in range(S)][::-1], fontsize=7)
-    ax.set_xlabel("seconds (solid: forward, light: backward, hatched: gradient reduction)")
+    ax.set_xlabel("seconds (solid: forward, light: backward, hatched: gradient reduction + update)")
     ax.set_title(f"{plan.solver}: predicted step {plan.predicted_step_time * 1e3:.2f} ms "
                  f"({plan.schedule}, {plan.micro_batches} micro-batches)")
     fig.tight_layout()
@@ -212,7 +212,7 @@ def predict_main(argv: Optional[List[str]] = None) -> int:
 def profile_main(argv: Optional[List[str]] = None) -> int:
     import torch
 
-    from ..models import gpt_layers, mlp_layers
+    from ..models import gpt_layers, lm_loss, mlp_layers
     from .profile import profile_layers
 
     ap = argparse.ArgumentParser(prog="pdv profile", description="profile the layers of a demo model")
@@ -228,11 +228,14 @@ def profile_main(argv: Optional[List[str]] = None) -> int:
     torch.manual_seed(0)
     if args.model == "gpt":
         specs = gpt_layers(args.layers, args.hidden, args.heads, args.seq_len)
-        sample = torch.randint(0, 256, (args.micro_batch, args.seq_len))
+        sample, labels = (torch.randint(0, 256, (args.micro_batch, args.seq_len)) for _ in range(2))
+        loss_fn = lm_loss
     else:
         specs = mlp_layers(args.layers, args.hidden, 16, 4)
-        sample = torch.randn(args.micro_batch, 16)
-    prof = profile_layers(specs, sample, reps=args.reps, progress=sys.stderr.isatty())
+        sample, labels = torch.randn(args.micro_batch, 16), torch.randint(0, 4, (args.micro_batch,))
+        loss_fn = torch.nn.functional.cross_entropy
+    prof = profile_layers(specs, sample, reps=args.reps, progress=sys.stderr.isatty(), loss_fn=loss_fn,
+                          labels=labels)
     prof.meta.update({"model": args.model, "layers": args.layers, "hidden": args.hidden})
     prof.save(args.out)
     total = sum(l.fwd_bwd for l in prof.layers)

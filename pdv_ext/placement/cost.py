@@ -8,14 +8,24 @@ micro-batches:
     comm_s    = 2 * max over replicas r of p2p(g_s[r] -> g_{s+1}[r], activation bytes at the boundary)
                 (forward activation out, gradient back; 0 for the last stage)
     r_s   = data-parallel reduction of the stage's gradient bytes over g_s (aggregator's pattern)
-    step  = (B - 1) * max_s t_s + sum_s t_s + max_s r_s
+    u_s   = sum of the stage's layers' parameter update time / speed of the slowest device of g_s
+            (grad norm + optimizer step + zero_grad: once per step, on every device, after the pipeline)
+    step  = (B - 1) * max_s t_s + sum_s t_s + max_s (r_s + u_s)
+
+The update is CPU work like compute, so a slow (or CPU-throttled) device pays it at its own speed (on
+the emulated benchmark cluster, tens of milliseconds per step on the quarter-speed device).
+DeepSpeed's default gradient clipping puts a global all-reduce of the gradient norm between reduction and
+update, making the exact tail max_s r_s + max_s u_s; max_s (r_s + u_s) equals it when one stage is the
+slowest at both (the usual case: the most parameters on the slowest devices) and keeps one per-stage
+cap for the DP solver.
 
 Memory per device of stage s: 4 * parameter bytes (weights, grads, two Adam moments) + in-flight
 micro-batches * saved activation bytes, where 1F1B keeps min(S - s, B) micro-batches and GPipe keeps B.
 A plan is feasible when every device's estimate fits its memory.
 
 Everything a solver needs per (stage, layer range) is linear in prefix sums, so `StageParams` exposes
-exactly the numbers `stage_time`, `reduce_time` and `memory` use: the DP solver and this module share them.
+exactly the numbers the stage time, the tail (`StageParams.tail`) and the memory use: the DP solver and
+this module share them.
 """
 from __future__ import annotations
 
@@ -44,6 +54,7 @@ class StageCost:
     comm: float
     time: float
     reduce: float
+    update: float               # parameter update on the slowest device, once per step
     memory: float               # worst device, bytes
     memory_limit: float
     fits: bool
@@ -53,7 +64,7 @@ class StageCost:
 class CostBreakdown:
     step_time: float
     pipeline_time: float
-    reduce_time: float
+    tail_time: float            # max over stages of reduce + update, after the pipeline drains
     bottleneck: float
     feasible: bool
     schedule: str
@@ -88,6 +99,17 @@ class StageParams:
             return np.zeros_like(np.asarray(act_bytes, dtype=float))
         a = np.asarray(act_bytes, dtype=float)
         return 2.0 * np.max([lat + a / bw for lat, bw in self.p2p[s]], axis=0)
+
+    def reduce(self, s: int, param_bytes):
+        return self.reduce_a[s] + self.reduce_b[s] * param_bytes
+
+    def update(self, s: int, update):
+        """The profiling device's update time of the stage's layers, on the stage's slowest device."""
+        return update / self.speed[s]
+
+    def tail(self, s: int, param_bytes, update):
+        """Stage s's work after the pipeline drains: gradient reduction, then parameter update."""
+        return self.reduce(s, param_bytes) + self.update(s, update)
 
 
 def reduce_coeffs(cluster: Cluster, group: Sequence[int], pattern: str, crossing_share: int = 1,
@@ -171,12 +193,13 @@ def evaluate(profile: Profile, cluster: Cluster, boundaries: Sequence[int], grou
         compute = float(arr["fwd_bwd"][k:l].sum() / sp.speed[s])
         comm = float(sp.comm(s, arr["act_bytes"][l - 1])) if s < len(groups) - 1 else 0.0
         params = float(arr["param_bytes"][k:l].sum())
-        red = float(sp.reduce_a[s] + sp.reduce_b[s] * params)
+        red = float(sp.reduce(s, params))
+        upd = float(sp.update(s, arr["update"][k:l].sum()))
         mem = OPTIMIZER_STATE_FACTOR * params + sp.inflight[s] * float(arr["saved_bytes"][k:l].sum())
         stages.append(StageCost(s, [int(k), int(l)], [int(d) for d in groups[s]], compute, comm, compute + comm,
-                                red, mem, float(sp.mem_cap[s]), bool(mem <= sp.mem_cap[s])))
+                                red, upd, mem, float(sp.mem_cap[s]), bool(mem <= sp.mem_cap[s])))
     times = [st.time for st in stages]
     pipe = (micro_batches - 1) * max(times) + sum(times)
-    red = max(st.reduce for st in stages)
-    return CostBreakdown(pipe + red, pipe, red, max(times), all(st.fits for st in stages), schedule,
+    tail = max(st.reduce + st.update for st in stages)
+    return CostBreakdown(pipe + tail, pipe, tail, max(times), all(st.fits for st in stages), schedule,
                          micro_batches, stages)

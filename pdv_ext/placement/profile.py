@@ -1,12 +1,16 @@
-"""Per-layer profile of a pipeline model: forward+backward time, parameter bytes, activation bytes, memory.
+"""Per-layer profile of a pipeline model: forward+backward time, parameter update time, parameter bytes,
+activation bytes, memory.
 
 Measured once on the local device at the configured micro-batch size (median of repetitions) and scaled to
 other devices by their throughput (`Cluster.speed`). Saved as JSON::
 
     {"micro_batch": 4, "device": "cpu", "device_throughput": 3.1e10,
      "layers": [{"name": "Embed", "fwd_bwd": 0.0012, "param_bytes": 98304, "act_bytes": 131072,
-                 "saved_bytes": 262144}, ...]}
+                 "saved_bytes": 262144, "update": 0.0004}, ...]}
 
+`fwd_bwd` is paid once per micro-batch (the last layer's includes the loss when a loss function is given);
+`update` once per training step: what the engine does with the layer's parameters after the last backward
+(gradient norm for clipping - DeepSpeed clips at 1.0 by default -, the optimizer step, zero_grad).
 `act_bytes` is what the layer's output sends to the next stage per micro-batch; `saved_bytes` what
 autograd keeps for the backward pass (the activation memory one in-flight micro-batch costs).
 """
@@ -28,6 +32,7 @@ class LayerProfile:
     param_bytes: float
     act_bytes: float        # output activation bytes per micro-batch
     saved_bytes: float = 0.0  # activation memory kept for backward, per micro-batch
+    update: float = 0.0     # seconds per step on the profiling device: grad norm + optimizer step + zero_grad
 
 
 @dataclass
@@ -44,12 +49,12 @@ class Profile:
     # -- arrays the cost model and solvers use ------------------------------------------------------
     def arrays(self) -> Dict[str, np.ndarray]:
         return {k: np.array([getattr(l, k) for l in self.layers], dtype=float)
-                for k in ("fwd_bwd", "param_bytes", "act_bytes", "saved_bytes")}
+                for k in ("fwd_bwd", "param_bytes", "act_bytes", "saved_bytes", "update")}
 
     def scaled(self, speed: float) -> "Profile":
         """The profile as seen on a device `speed` times as fast as the profiling device."""
-        return Profile([LayerProfile(l.name, l.fwd_bwd / speed, l.param_bytes, l.act_bytes, l.saved_bytes)
-                        for l in self.layers], self.micro_batch, self.device,
+        return Profile([LayerProfile(l.name, l.fwd_bwd / speed, l.param_bytes, l.act_bytes, l.saved_bytes,
+                                     l.update / speed) for l in self.layers], self.micro_batch, self.device,
                        None if self.device_throughput is None else self.device_throughput * speed, dict(self.meta))
 
     # -- persistence --------------------------------------------------------------------------------
@@ -140,12 +145,83 @@ def matmul_throughput(size: int = 512, reps: int = 5, device: Optional[str] = No
     return statistics.median(rates[1:])
 
 
+class _Update:
+    """One layer's parameter update, timed a sample at a time: the once-per-step work the engine does after
+    the last backward - the gradient norm (DeepSpeed clips at 1.0 by default), `optimizer(params).step()`
+    (default `torch.optim.AdamW`, what DeepSpeed's `torch_adam` builds) and `zero_grad`. `restore` puts
+    the parameters back as they were."""
+
+    def __init__(self, params: Sequence[Any], optimizer: Optional[Callable] = None):
+        import torch
+
+        self.params = [p for p in params if p.requires_grad]
+        self.saved = [p.detach().clone() for p in self.params]
+        self.grads = [torch.randn_like(p) for p in self.params]  # values do not change the cost
+        self.opt = (optimizer or torch.optim.AdamW)(self.params) if self.params else None
+
+    def sample(self, sync: Callable[[], None]) -> float:
+        import torch
+
+        if self.opt is None:
+            return 0.0
+        for p, g in zip(self.params, self.grads):
+            p.grad = g.clone()
+        sync()
+        t0 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        sync()
+        return time.perf_counter() - t0
+
+    def restore(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for p, s in zip(self.params, self.saved):
+                p.copy_(s)
+
+
+def _fwd_bwd(mod: Any, x: Any, sync: Callable[[], None], loss: Optional[Callable] = None):
+    """(seconds, saved bytes, output) of one forward+backward of `mod` on `x`: backward from `loss(output)`
+    when given, else from a gradient of ones on every output that needs one."""
+    import torch
+
+    saved = [0.0]
+
+    def pack(t):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    inp = _detach(x)
+    sync()
+    t0 = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = mod(inp)
+        l = loss(y) if loss is not None else None
+    if l is not None:
+        l.backward()
+    else:
+        outs = [t for t in _tensors(y) if t.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    sync()
+    return time.perf_counter() - t0, saved[0], y
+
+
 def profile_layers(layers: Sequence[Any], sample_input: Any, reps: int = 5, warmup: int = 1,
-                   device: Optional[str] = None, progress: bool = False) -> Profile:
+                   device: Optional[str] = None, progress: bool = False, loss_fn: Optional[Callable] = None,
+                   labels: Any = None, optimizer: Optional[Callable] = None) -> Profile:
     """Profile built modules / LayerSpecs / callables in order, feeding each the previous output.
 
-    Forward+backward per layer: the backward is driven by a random gradient of the output's shape,
-    so every layer's own backward cost is measured independently of the loss.
+    Forward+backward per layer: the backward is driven by a gradient of ones of the output's shape, so
+    every layer's own backward cost is measured independently of the others. With `loss_fn` and `labels`
+    the last layer's backward starts from `loss_fn(output, labels)` instead, and its time includes the loss
+    (the last stage computes it for every micro-batch). `update` per layer: see `_Update`.
+
+    Samples are taken in rounds over all layers, not layer after layer: on a shared machine a burst of
+    load then slows one round (which the median drops) instead of every sample of one layer (which it
+    cannot; identical transformer blocks measured 27-37 ms layer after layer under load).
     """
     import torch
     from torch import nn
@@ -158,43 +234,45 @@ def profile_layers(layers: Sequence[Any], sample_input: Any, reps: int = 5, warm
             mod = mod.to(dev)
         built.append(mod)
     x = [t.to(dev) for t in sample_input] if isinstance(sample_input, (list, tuple)) else sample_input.to(dev)
-    it = built
+    if loss_fn is not None and labels is not None:
+        labels = labels.to(dev) if hasattr(labels, "to") else labels
+        last_loss = lambda y: loss_fn(y, labels)  # noqa: E731
+    else:
+        last_loss = None
+    sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+    inputs = []  # each layer's input: the previous layer's output
+    with torch.no_grad():
+        for mod in built:
+            inputs.append(x)
+            x = _detach(mod(_detach(x)))
+    params = [list(m.parameters()) if isinstance(m, nn.Module) else [] for m in built]
+    updates = [_Update(p, optimizer) for p in params]
+    n = len(built)
+    times, upd = [[] for _ in range(n)], [[] for _ in range(n)]
+    saved, act = [0.0] * n, [0.0] * n
+    rounds = range(warmup + reps)
     if progress:
         from tqdm import tqdm
 
-        it = tqdm(built, desc="profile", unit="layer")
-    out: List[LayerProfile] = []
-    for i, mod in enumerate(it):
-        params = list(mod.parameters()) if isinstance(mod, nn.Module) else []
-        pbytes = float(sum(p.numel() * p.element_size() for p in params))
-        times, saved, y = [], 0.0, None
-        for r in range(warmup + reps):
-            inp = _detach(x)
-            saved_now = [0.0]
-
-            def pack(t, acc=saved_now):
-                acc[0] += t.numel() * t.element_size()
-                return t
-
-            if dev.startswith("cuda"):
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                y = mod(inp)
-            outs = [t for t in _tensors(y) if t.requires_grad]
-            if outs:
-                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-            if dev.startswith("cuda"):
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            if r >= warmup:
-                times.append(dt)
-                saved = saved_now[0]
-            for p in params:
-                p.grad = None
-        name = type(mod).__name__ if not hasattr(layers[i], "typename") else layers[i].typename.__name__
-        out.append(LayerProfile(name, float(statistics.median(times)), pbytes, _nbytes(y), float(saved)))
-        x = _detach(y)
+        rounds = tqdm(rounds, desc="profile", unit="round")
+    try:
+        for r in rounds:
+            for i, mod in enumerate(built):
+                dt, saved_i, y = _fwd_bwd(mod, inputs[i], sync, last_loss if i == n - 1 else None)
+                for p in params[i]:
+                    p.grad = None
+                u = updates[i].sample(sync)
+                if r >= warmup:
+                    times[i].append(dt)
+                    upd[i].append(u)
+                    saved[i], act[i] = float(saved_i), _nbytes(y)
+    finally:
+        for u in updates:
+            u.restore()
+    out = [LayerProfile(type(mod).__name__ if not hasattr(spec, "typename") else spec.typename.__name__,
+                        float(statistics.median(times[i])), float(sum(p.numel() * p.element_size() for p in params[i])),
+                        act[i], saved[i], float(statistics.median(upd[i])))
+           for i, (mod, spec) in enumerate(zip(built, layers))]
     mb = int(_tensors(sample_input)[0].shape[0]) if _tensors(sample_input) else 1
     return Profile(out, micro_batch=mb, device=dev, device_throughput=matmul_throughput(device=dev))
 
@@ -210,9 +288,12 @@ def _detach(x: Any) -> Any:
     return x
 
 
-def profile_module(module: Any, sample_input: Any, reps: int = 5, progress: bool = False) -> Profile:
-    """Profile a `PipelineModule` (all its layer specs, whatever the local stage holds)."""
+def profile_module(module: Any, sample_input: Any, reps: int = 5, progress: bool = False,
+                   labels: Any = None) -> Profile:
+    """Profile a `PipelineModule` (all its layer specs, whatever the local stage holds); with `labels`, the
+    last layer's time includes the module's `loss_fn`."""
     specs = getattr(module, "_layer_specs", None)
     if specs is None:
         raise TypeError("profile_module needs a deepspeed PipelineModule (or call profile_layers with a list)")
-    return profile_layers(specs, sample_input, reps=reps, progress=progress)
+    return profile_layers(specs, sample_input, reps=reps, progress=progress,
+                          loss_fn=getattr(module, "loss_fn", None), labels=labels)

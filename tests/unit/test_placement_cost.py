@@ -43,6 +43,42 @@ def test_hand_computation_1f1b():
     assert cb.feasible
 
 
+def test_update_is_paid_once_per_step_on_the_slowest_device():
+    cluster, prof = _setup()
+    for layer, u in zip(prof.layers, (0.5, 1.0, 8.0)):
+        layer.update = u
+    cb = evaluate(prof, cluster, [0, 2, 3], [[0, 2], [1, 3]], micro_batches=4)
+    s0, s1 = cb.stages
+    assert s0.update == pytest.approx((0.5 + 1.0) / 0.5) and s1.update == pytest.approx(8.0 / 0.5)
+    assert s0.time == pytest.approx(s0.compute + s0.comm)  # not per micro-batch
+    assert cb.tail_time == pytest.approx(max(s0.reduce + s0.update, s1.reduce + s1.update))
+    assert cb.step_time == pytest.approx(cb.pipeline_time + cb.tail_time)
+    fast = evaluate(prof, cluster, [0, 2, 3], [[0, 1], [2, 3]], micro_batches=4)  # layer 2 on the slow pair
+    assert fast.stages[0].update == pytest.approx(1.5 / 1.0)
+
+
+def test_profile_measures_update_and_loss_without_changing_weights():
+    import torch
+    from torch import nn
+
+    from pdv_ext.placement.profile import profile_layers
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 64), nn.Linear(64, 4)]
+    before = [p.detach().clone() for m in layers for p in m.parameters()]
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    prof = profile_layers(layers, x, reps=2, loss_fn=nn.functional.cross_entropy, labels=y)
+    assert all(l.update > 0 for l in prof.layers)
+    assert all(torch.equal(a, b) for a, b in zip(before, (p for m in layers for p in m.parameters())))
+    # the loss's saved tensors are part of the last layer's activation memory
+    plain = profile_layers(layers, x, reps=2)
+    assert prof.layers[-1].saved_bytes > plain.layers[-1].saved_bytes
+    back = Profile.from_dict(prof.to_dict())
+    assert back.layers[0].update == prof.layers[0].update
+    assert Profile.from_dict({"layers": [{"name": "l", "fwd_bwd": 1, "param_bytes": 1, "act_bytes": 1}]}
+                             ).layers[0].update == 0.0  # profiles written before the update was measured
+
+
 def test_gpipe_memory_and_infeasible():
     cluster, prof = _setup()
     cb = evaluate(prof, cluster, [0, 2, 3], [[0, 2], [1, 3]], micro_batches=4, schedule="gpipe")

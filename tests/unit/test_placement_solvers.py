@@ -36,6 +36,9 @@ def random_instance(seed):
         "inter_host": {"bandwidth": float(rng.uniform(1e6, 1e8)), "latency": 1e-3}}})
     prof = Profile.synthetic(int(rng.integers(3, 9)), seed=seed, heavy_every=int(rng.integers(0, 4)))
     stages = None if seed % 2 else int(rng.choice([d for d in range(1, n + 1) if n % d == 0 and d <= len(prof)]))
+    if seed % 4:  # a per-step parameter update up to a few micro-batches' compute: the tail matters
+        for layer in prof.layers:
+            layer.update = float(rng.uniform(0.0, 3.0)) * layer.fwd_bwd
     return prof, cluster, stages, int(rng.integers(1, 9))
 
 
@@ -74,6 +77,8 @@ def test_dp_prefers_fast_devices_for_heavy_stages():
 @pytest.mark.parametrize("seed", [1, 2])
 def test_differentiable_feasible_and_not_better_than_dp(seed):
     prof = Profile.synthetic(16, seed=seed, heavy_every=5)
+    for layer in prof.layers[::seed]:  # every seed-th layer has a parameter update (relaxed tail term)
+        layer.update = 2.0 * layer.fwd_bwd
     cluster = synthetic_cluster(8, per_host=4, generations=(1.0, 0.5))
     dp = solve("dp", prof, cluster, 4, 8)
     diff = solve("differentiable", prof, cluster, 4, 8, steps=40)

@@ -12,7 +12,8 @@ Search space (the optimum is exact over exactly this set, for the cost model in 
              stages share hosts: cheap activations, reductions over the inter-host link);
 * every split of the L layers into S contiguous non-empty ranges, stage s on chain group s.
 
-Objective: step = (B-1) * max_s t_s + sum_s t_s + max_s r_s (see cost.py), memory-feasible only.
+Objective: step = (B-1) * max_s t_s + sum_s t_s + max_s r_s (see cost.py), memory-feasible only, where
+r_s is the stage's tail after the pipeline drains (gradient reduction + parameter update).
 
 Algorithm, for one chain: t_s(k, l) and r_s(k, l) are prefix-sum expressions, so
 G(M, R) = min sum_s t_s subject to t_s <= M, r_s <= R is an O(S * L * band) DP vectorised with numpy,
@@ -73,6 +74,7 @@ class ChainDP:
         self.C = np.concatenate([z, np.cumsum(arr["fwd_bwd"])])
         self.P = np.concatenate([z, np.cumsum(arr["param_bytes"])])
         self.V = np.concatenate([z, np.cumsum(arr["saved_bytes"])])
+        self.U = np.concatenate([z, np.cumsum(arr["update"])])
         self.sp = sp
         act = np.concatenate([z, arr["act_bytes"]])  # act[l] = output bytes of layer l-1 (boundary l)
         self.comm = [sp.comm(s, act) if s < self.S - 1 else np.zeros(self.L + 1) for s in range(self.S)]
@@ -104,7 +106,7 @@ class ChainDP:
             K = l[:, None] - np.arange(1, band + 1)[None, :]
             Kc = np.maximum(K, 0)
             got = (K, Kc, self.C[l][:, None] - self.C[Kc], self.P[l][:, None] - self.P[Kc],
-                   self.V[l][:, None] - self.V[Kc])
+                   self.V[l][:, None] - self.V[Kc], self.U[l][:, None] - self.U[Kc])
             if len(self._bands) > 8:
                 self._bands.clear()
             self._bands[band] = got
@@ -116,15 +118,16 @@ class ChainDP:
         got = self._terms.get(key)
         if got is not None:
             return got
-        K, Kc, dC, dP, dV = self._band_arrays(band)
+        K, Kc, dC, dP, dV, dU = self._band_arrays(band)
         lo, hi = s + 1, self.L - (self.S - 1 - s)
         l = np.arange(lo, hi + 1)
-        K, Kc, dC, dP, dV = K[lo:hi + 1], Kc[lo:hi + 1], dC[lo:hi + 1], dP[lo:hi + 1], dV[lo:hi + 1]
+        K, Kc, dC, dP, dV, dU = (K[lo:hi + 1], Kc[lo:hi + 1], dC[lo:hi + 1], dP[lo:hi + 1], dV[lo:hi + 1],
+                                 dU[lo:hi + 1])
         sp = self.sp
         valid = (K >= s) & (OPTIMIZER_STATE_FACTOR * dP + sp.inflight[s] * dV <= sp.mem_cap[s])
         Kc = np.maximum(Kc, s)
         t = np.where(valid, dC / sp.speed[s] + self.comm[s][lo:hi + 1][:, None], INF)
-        r = sp.reduce_a[s] + sp.reduce_b[s] * dP
+        r = sp.tail(s, dP, dU)
         got = (l, Kc, valid, t, r)
         if self._cache_size + t.size * 3 < 3e7:
             self._terms[key] = got
@@ -167,7 +170,7 @@ class ChainDP:
         for s in range(self.S):
             k, l = bounds[s], bounds[s + 1]
             ts.append((self.C[l] - self.C[k]) / self.sp.speed[s] + self.comm[s][l])
-            rs.append(self.sp.reduce_a[s] + self.sp.reduce_b[s] * (self.P[l] - self.P[k]))
+            rs.append(self.sp.tail(s, self.P[l] - self.P[k], self.U[l] - self.U[k]))
         return max(ts), float(sum(ts)), max(rs)
 
     def min_bottleneck(self):
@@ -194,7 +197,7 @@ class ChainDP:
             return INF, None, passes, exact
         best_bounds = None
         sum_lb = self.C[-1] / self.vmax  # sum of stage times >= all compute on the fastest group
-        no_reduce = self.sp.reduce_b.max() == 0 and self.sp.reduce_a.max() == 0
+        no_tail = self.sp.reduce_b.max() == 0 and self.sp.reduce_a.max() == 0 and self.U[-1] == 0
 
         def inner(m: float):
             """F(m) = min_R R + G(m, R) -> (value, bounds, max t of that solution, lower bound of F(m)).
@@ -213,7 +216,7 @@ class ChainDP:
                 mt, st, mr = self.stats(bd)
                 if st + mr < f_best:
                     f_best, f_bounds, f_mt = st + mr, bd, mt
-                if no_reduce:
+                if no_tail:
                     lb = f_best
                     break
                 walked += 1
