@@ -8,6 +8,9 @@ CPU quotas by device speed; root only) it
    (b) the plan, alternating (a), (b) `--repeats` times in the same run, each reporting the median step time,
 4. predicts both step times with the placement cost model (on the parts/mapping the runs really used).
 
+Planning and predictions use the cluster as emulated: where the kernel has no sch_netem the links carry no
+added latency (`pdv emulate` says so), so their latencies are taken as 0 (`latency_emulated: false`).
+
 Output: {"default_ms", "planned_ms", "speedup", "predicted_default_ms", "predicted_planned_ms",
 "prediction_error"} (|predicted - measured| / measured, the worse of the two) plus what was compared.
 """
@@ -44,12 +47,27 @@ def _args(argv):
     return a
 
 
-def _emulate(spec, cmd: List[str], timeout: float) -> None:
+def _emulate(spec, cmd: List[str], timeout: float) -> bool:
+    """Run `cmd` on the emulated cluster; True when link latencies were emulated (sch_netem present)."""
     from ..emulate.launcher import Emulation
 
-    code = Emulation(spec, cmd, timeout=timeout, out=sys.stderr.buffer).run()
+    emu = Emulation(spec, cmd, timeout=timeout, out=sys.stderr.buffer)
+    code = emu.run()
     if code != 0:
         raise RuntimeError(f"emulated run failed with exit code {code}: {' '.join(cmd)}")
+    return bool(emu.net and emu.net.netem)
+
+
+def _without_latency(cluster):
+    """The cluster as emulated without sch_netem: same devices and bandwidths, no link latency."""
+    from ..placement.cluster import Cluster
+
+    d = cluster.to_dict()
+    links = d.get("links", {})
+    for ln in [links.get("intra_host"), links.get("inter_host"), *links.get("pairs", [])]:
+        if ln:
+            ln["latency"] = 0.0
+    return Cluster.from_dict(d)
 
 
 def main(argv=None) -> int:
@@ -78,7 +96,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="pdv-bench-placement-") as tmp:
         prof_path, plan_path = os.path.join(tmp, "profile.json"), os.path.join(tmp, "plan.json")
         log(f"profiling the demo GPT on the reference device of {a.cluster}")
-        _emulate(spec, timer + ["profile", "--cluster", a.cluster, "--out", prof_path] + model, a.timeout)
+        latency_emulated = _emulate(spec, timer + ["profile", "--cluster", a.cluster, "--out", prof_path] + model,
+                                    a.timeout)
+        if not latency_emulated:
+            cluster = _without_latency(cluster)
         profile = Profile.load(prof_path)
         plan = solve("dp", profile, cluster, None, a.micro_batches)
         plan.save(plan_path)
@@ -96,11 +117,11 @@ def main(argv=None) -> int:
                     runs[which].append(json.load(f))
                 log(f"  {which}: median step {runs[which][-1]['median_step_ms']:.1f} ms")
     measured = {k: median([r["median_step_ms"] for r in v]) for k, v in runs.items()}
-    predicted = {}
+    predicted, tails = {}, {}
     for k, v in runs.items():
         used = v[-1]
         cb = evaluate(profile, cluster, used["parts"], used["rank_mapping"], a.micro_batches)
-        predicted[k] = cb.step_time * 1e3
+        predicted[k], tails[k] = cb.step_time * 1e3, cb.tail_time * 1e3
     err = max(abs(predicted[k] - measured[k]) / measured[k] for k in measured)
     result = {
         "default_ms": round(measured["default"], 2),
@@ -109,10 +130,12 @@ def main(argv=None) -> int:
         "predicted_default_ms": round(predicted["default"], 2),
         "predicted_planned_ms": round(predicted["planned"], 2),
         "prediction_error": round(err, 3),
-        "default": {"parts": runs["default"][-1]["parts"], "rank_mapping": runs["default"][-1]["rank_mapping"],
-                    "runs_ms": [round(r["median_step_ms"], 1) for r in runs["default"]]},
-        "planned": {"parts": runs["planned"][-1]["parts"], "rank_mapping": runs["planned"][-1]["rank_mapping"],
-                    "runs_ms": [round(r["median_step_ms"], 1) for r in runs["planned"]]},
+        **{k: {"parts": v[-1]["parts"], "rank_mapping": v[-1]["rank_mapping"],
+               "runs_ms": [round(r["median_step_ms"], 1) for r in v],
+               "predicted_tail_ms": round(tails[k], 2)} for k, v in runs.items()},
+        "profile_fwd_bwd_ms": round(float(profile.arrays()["fwd_bwd"].sum()) * 1e3, 2),
+        "profile_update_ms": round(float(profile.arrays()["update"].sum()) * 1e3, 2),
+        "latency_emulated": latency_emulated,
         "cluster": os.path.relpath(a.cluster, ROOT) if a.cluster.startswith(ROOT) else a.cluster,
         "micro_batches": a.micro_batches, "steps": a.steps, "repeats": a.repeats,
     }

@@ -8,7 +8,8 @@ goes through `pdv_ext.initialize`; with `--plan` the `"pdv": {"placement": {"pla
 and re-maps it. Each step starts after a barrier; a step's time is the slowest rank's; rank 0 writes the
 median (and the parts/mapping actually used) to `--out` and prints `median_step_ms`.
 `profile`: only the cluster's reference device (the fastest, unless `reference_throughput` says otherwise)
-profiles the layers under its own CPU quota, so the profile's times are that device's times.
+profiles the layers (with the loss on the last, and each layer's AdamW update) under its own CPU quota,
+so the profile's times are that device's times.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def _args(argv):
 def profile(a) -> int:
     from ..placement.cluster import Cluster
     from ..placement.profile import profile_layers
-    from ..models import gpt_layers
+    from ..models import gpt_layers, lm_loss
     import torch
 
     cluster = Cluster.load(a.cluster)
@@ -51,8 +52,9 @@ def profile(a) -> int:
     if rank != ref:
         return 0
     torch.manual_seed(0)
-    ids = torch.randint(0, 256, (a.micro_batch, a.seq_len))
-    prof = profile_layers(gpt_layers(a.layers, a.hidden, a.heads, a.seq_len), ids, reps=a.reps, warmup=2)
+    ids, labels = (torch.randint(0, 256, (a.micro_batch, a.seq_len)) for _ in range(2))
+    prof = profile_layers(gpt_layers(a.layers, a.hidden, a.heads, a.seq_len), ids, reps=a.reps, warmup=2,
+                          loss_fn=lm_loss, labels=labels)
     prof.meta.update({"device_name": os.environ.get("PDV_DEVICE_NAME"), "rank": rank,
                       "cores": os.environ.get("PDV_DEVICE_CORES")})
     prof.save(a.out)
@@ -86,8 +88,10 @@ def train(a) -> int:
            "train_batch_size": a.micro_batch * a.micro_batches * (world // stages),
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
            "steps_per_print": 10 ** 9, "pdv": pdv}
+    # a generator, read when the engine builds the optimizer: a plan rebuilds the local layers first, and a
+    # list taken here would hold the replaced parameters (the optimizer would step none of the new ones)
     engine, _, _, _ = pdv_ext.initialize(model=model, config=cfg,
-                                         model_parameters=[p for p in model.parameters() if p.requires_grad])
+                                         model_parameters=(p for p in model.parameters() if p.requires_grad))
     train_text, _ = text_splits()
     data = ByteWindows(train_text, a.seq_len, a.micro_batch, seed=engine.grid.get_data_parallel_id())
     times, losses, cpu = [], [], 0.0
