@@ -6,7 +6,9 @@ micro-batches:
     t_s   = compute_s + comm_s
     compute_s = sum of the stage's layers' fwd+bwd time / speed of the slowest device of g_s
     comm_s    = 2 * max over replicas r of p2p(g_s[r] -> g_{s+1}[r], activation bytes at the boundary)
-                (forward activation out, gradient back; 0 for the last stage)
+                (forward activation out, gradient back; link only, 0 for the last stage)
+                + (message time at the input boundary + at the output boundary) / speed of g_s
+                (the device's own send/recv work per micro-batch: one message each way per boundary)
     r_s   = data-parallel reduction of the stage's gradient bytes over g_s (aggregator's pattern)
     u_s   = sum of the stage's layers' parameter update time / speed of the slowest device of g_s
             (grad norm + optimizer step + zero_grad: once per step, on every device, after the pipeline)
@@ -100,6 +102,12 @@ class StageParams:
         a = np.asarray(act_bytes, dtype=float)
         return 2.0 * np.max([lat + a / bw for lat, bw in self.p2p[s]], axis=0)
 
+    def messages(self, s: int, msg_in, msg_out):
+        """Send/recv work of stage s per micro-batch at its input and output boundaries (profiling-device
+        seconds of one message each way, scalars or arrays), on the stage's slowest device."""
+        first, last = s == 0, s == len(self.speed) - 1
+        return ((0.0 if first else msg_in) + (0.0 if last else msg_out)) / self.speed[s]
+
     def reduce(self, s: int, param_bytes):
         return self.reduce_a[s] + self.reduce_b[s] * param_bytes
 
@@ -192,6 +200,7 @@ def evaluate(profile: Profile, cluster: Cluster, boundaries: Sequence[int], grou
             raise ValueError(f"stage {s} has no layers (boundaries {list(boundaries)})")
         compute = float(arr["fwd_bwd"][k:l].sum() / sp.speed[s])
         comm = float(sp.comm(s, arr["act_bytes"][l - 1])) if s < len(groups) - 1 else 0.0
+        comm += float(sp.messages(s, arr["p2p"][k - 1] if k else 0.0, arr["p2p"][l - 1]))
         params = float(arr["param_bytes"][k:l].sum())
         red = float(sp.reduce(s, params))
         upd = float(sp.update(s, arr["update"][k:l].sum()))

@@ -1,18 +1,20 @@
-"""Per-layer profile of a pipeline model: forward+backward time, parameter update time, parameter bytes,
-activation bytes, memory.
+"""Per-layer profile of a pipeline model: forward+backward, parameter update and message times, parameter
+bytes, activation bytes, memory.
 
 Measured once on the local device at the configured micro-batch size (median of repetitions) and scaled to
 other devices by their throughput (`Cluster.speed`). Saved as JSON::
 
     {"micro_batch": 4, "device": "cpu", "device_throughput": 3.1e10,
      "layers": [{"name": "Embed", "fwd_bwd": 0.0012, "param_bytes": 98304, "act_bytes": 131072,
-                 "saved_bytes": 262144, "update": 0.0004}, ...]}
+                 "saved_bytes": 262144, "update": 0.0004, "p2p": 0.0011}, ...]}
 
 `fwd_bwd` is paid once per micro-batch (the last layer's includes the loss when a loss function is given);
 `update` once per training step: what the engine does with the layer's parameters after the last backward
 (gradient norm for clipping - DeepSpeed clips at 1.0 by default -, the optimizer step, zero_grad).
 `act_bytes` is what the layer's output sends to the next stage per micro-batch; `saved_bytes` what
-autograd keeps for the backward pass (the activation memory one in-flight micro-batch costs).
+autograd keeps for the backward pass (the activation memory one in-flight micro-batch costs); `p2p` the
+time both ends spend on one message of `act_bytes` (CPU tensors: gloo's send + recv), paid per micro-batch
+by the devices on either side of a stage boundary after that layer.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class LayerProfile:
     act_bytes: float        # output activation bytes per micro-batch
     saved_bytes: float = 0.0  # activation memory kept for backward, per micro-batch
     update: float = 0.0     # seconds per step on the profiling device: grad norm + optimizer step + zero_grad
+    p2p: float = 0.0        # seconds to send + receive act_bytes once (both ends), on the profiling device
 
 
 @dataclass
@@ -49,12 +52,12 @@ class Profile:
     # -- arrays the cost model and solvers use ------------------------------------------------------
     def arrays(self) -> Dict[str, np.ndarray]:
         return {k: np.array([getattr(l, k) for l in self.layers], dtype=float)
-                for k in ("fwd_bwd", "param_bytes", "act_bytes", "saved_bytes", "update")}
+                for k in ("fwd_bwd", "param_bytes", "act_bytes", "saved_bytes", "update", "p2p")}
 
     def scaled(self, speed: float) -> "Profile":
         """The profile as seen on a device `speed` times as fast as the profiling device."""
         return Profile([LayerProfile(l.name, l.fwd_bwd / speed, l.param_bytes, l.act_bytes, l.saved_bytes,
-                                     l.update / speed) for l in self.layers], self.micro_batch, self.device,
+                                     l.update / speed, l.p2p / speed) for l in self.layers], self.micro_batch, self.device,
                        None if self.device_throughput is None else self.device_throughput * speed, dict(self.meta))
 
     # -- persistence --------------------------------------------------------------------------------
@@ -182,6 +185,53 @@ class _Update:
                 p.copy_(s)
 
 
+def message_time(sizes: Sequence[float], reps: int = 5, warmup: int = 1) -> Dict[float, float]:
+    """Median seconds both ends spend on one message of each size (bytes) through gloo, the transport of
+    CPU tensors: ping-pong between two ranks in this process (threads), half a round trip.
+
+    A pipeline stage's device does this for every activation and gradient it sends or receives; the time
+    is mostly CPU (copies, syscalls), so a slower device pays it at its own speed. Empty dict when gloo is
+    unavailable."""
+    import datetime
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    sizes = sorted({float(n) for n in sizes if n > 0})
+    if not sizes or not dist.is_gloo_available():
+        return {}
+    store, pgs = dist.HashStore(), [None, None]
+
+    def make(r):
+        pgs[r] = dist.ProcessGroupGloo(dist.PrefixStore("pdv-profile", store), r, 2, datetime.timedelta(seconds=60))
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    bufs = {n: (torch.zeros(int(n) // 4 or 1), torch.zeros(int(n) // 4 or 1)) for n in sizes}
+    order = [n for n in sizes for _ in range(warmup + reps)]
+
+    def echo():
+        for n in order:
+            b = bufs[n][1]
+            pgs[1].recv([b], 0, 0).wait()
+            pgs[1].send([b], 0, 0).wait()
+
+    peer = threading.Thread(target=echo)
+    peer.start()
+    times: Dict[float, List[float]] = {n: [] for n in sizes}
+    for i, n in enumerate(order):
+        a = bufs[n][0]
+        t0 = time.perf_counter()
+        pgs[0].send([a], 1, 0).wait()
+        pgs[0].recv([a], 1, 0).wait()
+        if i % (warmup + reps) >= warmup:
+            times[n].append((time.perf_counter() - t0) / 2)
+    peer.join()
+    return {n: float(statistics.median(v)) for n, v in times.items()}
+
+
 def _fwd_bwd(mod: Any, x: Any, sync: Callable[[], None], loss: Optional[Callable] = None):
     """(seconds, saved bytes, output) of one forward+backward of `mod` on `x`: backward from `loss(output)`
     when given, else from a gradient of ones on every output that needs one."""
@@ -273,6 +323,10 @@ def profile_layers(layers: Sequence[Any], sample_input: Any, reps: int = 5, warm
                         float(statistics.median(times[i])), float(sum(p.numel() * p.element_size() for p in params[i])),
                         act[i], saved[i], float(statistics.median(upd[i])))
            for i, (mod, spec) in enumerate(zip(built, layers))]
+    if dev == "cpu":
+        msg = message_time([l.act_bytes for l in out], reps, warmup)
+        for l in out:
+            l.p2p = msg.get(float(l.act_bytes), 0.0)
     mb = int(_tensors(sample_input)[0].shape[0]) if _tensors(sample_input) else 1
     return Profile(out, micro_batch=mb, device=dev, device_throughput=matmul_throughput(device=dev))
 

@@ -57,6 +57,18 @@ def test_update_is_paid_once_per_step_on_the_slowest_device():
     assert fast.stages[0].update == pytest.approx(1.5 / 1.0)
 
 
+def test_messages_are_paid_per_micro_batch_on_both_sides_of_a_boundary():
+    _, prof = _setup()
+    for layer, m in zip(prof.layers, (0.25, 0.5, 0.75)):
+        layer.p2p = m
+    cluster = Cluster.from_dict({"devices": [{"name": n, "host": "h", "throughput": t}
+                                              for n, t in (("a", 2.0), ("b", 1.0), ("c", 2.0))]})
+    base = evaluate(_setup()[1], cluster, [0, 1, 2, 3], [[0], [1], [2]], 4)
+    cb = evaluate(prof, cluster, [0, 1, 2, 3], [[0], [1], [2]], 4)
+    # stage 0 sends layer 0's output; stage 1 (speed 0.5) receives it and sends layer 1's; stage 2 receives
+    assert [c.comm - b.comm for c, b in zip(cb.stages, base.stages)] == pytest.approx([0.25, (0.25 + 0.5) / 0.5, 0.5])
+
+
 def test_profile_measures_update_and_loss_without_changing_weights():
     import torch
     from torch import nn
@@ -69,6 +81,7 @@ def test_profile_measures_update_and_loss_without_changing_weights():
     x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
     prof = profile_layers(layers, x, reps=2, loss_fn=nn.functional.cross_entropy, labels=y)
     assert all(l.update > 0 for l in prof.layers)
+    assert all(l.p2p > 0 for l in prof.layers)  # gloo send + recv of the output, on CPU
     assert all(torch.equal(a, b) for a, b in zip(before, (p for m in layers for p in m.parameters())))
     # the loss's saved tensors are part of the last layer's activation memory
     plain = profile_layers(layers, x, reps=2)

@@ -39,6 +39,9 @@ def random_instance(seed):
     if seed % 4:  # a per-step parameter update up to a few micro-batches' compute: the tail matters
         for layer in prof.layers:
             layer.update = float(rng.uniform(0.0, 3.0)) * layer.fwd_bwd
+    if seed % 3:  # send/recv work at the boundaries, paid by the stages on both sides
+        for layer in prof.layers:
+            layer.p2p = float(rng.uniform(0.0, 0.5)) * layer.fwd_bwd
     return prof, cluster, stages, int(rng.integers(1, 9))
 
 
@@ -77,8 +80,8 @@ def test_dp_prefers_fast_devices_for_heavy_stages():
 @pytest.mark.parametrize("seed", [1, 2])
 def test_differentiable_feasible_and_not_better_than_dp(seed):
     prof = Profile.synthetic(16, seed=seed, heavy_every=5)
-    for layer in prof.layers[::seed]:  # every seed-th layer has a parameter update (relaxed tail term)
-        layer.update = 2.0 * layer.fwd_bwd
+    for layer in prof.layers[::seed]:  # every seed-th layer: parameter update and messages (relaxed terms)
+        layer.update, layer.p2p = 2.0 * layer.fwd_bwd, 0.2 * layer.fwd_bwd
     cluster = synthetic_cluster(8, per_host=4, generations=(1.0, 0.5))
     dp = solve("dp", prof, cluster, 4, 8)
     diff = solve("differentiable", prof, cluster, 4, 8, steps=40)

@@ -128,6 +128,7 @@ def _optimise_inner(profile, cluster, w, micro_batches, schedule, aggregator, st
     a = torch.tensor(arr["act_bytes"], dtype=torch.float64)
     v = torch.tensor(arr["saved_bytes"], dtype=torch.float64)
     u = torch.tensor(arr["update"], dtype=torch.float64) / scale
+    m = torch.tensor(arr["p2p"], dtype=torch.float64) / scale
     sps = [stage_params(cluster, ch, micro_batches, schedule, aggregator) for ch in chains]
     speed, lat, bw, ra, rb, cap, infl = _chain_tensors(sps)
     lat, ra = lat / scale, ra / scale
@@ -164,6 +165,8 @@ def _optimise_inner(profile, cluster, w, micro_batches, schedule, aggregator, st
         t = comp[None, :] / speed                                           # (K, S)
         comm = 2 * (lat[:, :-1] + act[None, :] / bw[:, :-1])
         t = torch.cat([t[:, :-1] + comm, t[:, -1:]], dim=1)
+        msg = torch.nn.functional.pad(near @ m, (1, 1))                    # (S+1,) per cut, 0 at the ends
+        t = t + (msg[:-1] + msg[1:])[None, :] / speed                       # send/recv work at both cuts
         r = ra + rb * prm[None, :] + (member @ u)[None, :] / speed             # tail: reduce + update
         smooth = 0.05 * (t.detach().mean() + 1e-12)
         tmax = smooth * torch.logsumexp(t / smooth, dim=1)

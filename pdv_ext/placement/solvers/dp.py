@@ -77,7 +77,12 @@ class ChainDP:
         self.U = np.concatenate([z, np.cumsum(arr["update"])])
         self.sp = sp
         act = np.concatenate([z, arr["act_bytes"]])  # act[l] = output bytes of layer l-1 (boundary l)
-        self.comm = [sp.comm(s, act) if s < self.S - 1 else np.zeros(self.L + 1) for s in range(self.S)]
+        msg = np.concatenate([z, arr["p2p"]])
+        # per boundary l: link transfer + the stage's send/recv work at its output (comm) / its input (msg_in)
+        zero = np.zeros(self.L + 1)
+        self.comm = [zero + (sp.comm(s, act) if s < self.S - 1 else 0.0) + sp.messages(s, 0.0, msg)
+                     for s in range(self.S)]
+        self.msg_in = [zero + sp.messages(s, msg, 0.0) for s in range(self.S)]
         self.vmax = float(sp.speed.max())
         self._bands: Dict[int, Any] = {}
         self._terms: Dict[Tuple[int, int], Any] = {}
@@ -126,7 +131,7 @@ class ChainDP:
         sp = self.sp
         valid = (K >= s) & (OPTIMIZER_STATE_FACTOR * dP + sp.inflight[s] * dV <= sp.mem_cap[s])
         Kc = np.maximum(Kc, s)
-        t = np.where(valid, dC / sp.speed[s] + self.comm[s][lo:hi + 1][:, None], INF)
+        t = np.where(valid, dC / sp.speed[s] + self.comm[s][lo:hi + 1][:, None] + self.msg_in[s][Kc], INF)
         r = sp.tail(s, dP, dU)
         got = (l, Kc, valid, t, r)
         if self._cache_size + t.size * 3 < 3e7:
@@ -169,7 +174,7 @@ class ChainDP:
         ts, rs = [], []
         for s in range(self.S):
             k, l = bounds[s], bounds[s + 1]
-            ts.append((self.C[l] - self.C[k]) / self.sp.speed[s] + self.comm[s][l])
+            ts.append((self.C[l] - self.C[k]) / self.sp.speed[s] + self.comm[s][l] + self.msg_in[s][k])
             rs.append(self.sp.tail(s, self.P[l] - self.P[k], self.U[l] - self.U[k]))
         return max(ts), float(sum(ts)), max(rs)
 
