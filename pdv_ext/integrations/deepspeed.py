@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -144,6 +144,67 @@ def resolve_placement(module: PipelineModule, cfg: PDVConfig) -> Optional[Dict[s
         return None
     apply_placement(module, boundaries, mapping)
     return {"boundaries": list(module.parts), "rank_mapping": current_mapping(module)}
+
+
+def parameter_names(module: nn.Module) -> Dict[int, Tuple[str, bool]]:
+    """id(parameter) -> (name, requires_grad): what `follow_rebuild` maps from."""
+    return {id(p): (n, p.requires_grad) for n, p in module.named_parameters()}
+
+
+def follow_rebuild(module: nn.Module, before: Dict[int, Tuple[str, bool]], model_parameters: Any,
+                   optimizer: Any = None) -> Any:
+    """Point what the caller built from the module's old parameters at the rebuilt ones.
+
+    A re-partition replaces the local layers, so a list of parameters taken before `initialize` (or an
+    optimizer built on them) would hold tensors the module no longer uses: the weights would never
+    change. A list that held every old parameter (or every trainable one) now holds the same set of the
+    new module; other lists and parameter groups are mapped by name (DeepSpeed names layers by global
+    index, so a layer that stays on this stage keeps its names). Layers that arrived on this stage must
+    land in some group. A lazy iterator such as `model.parameters()` needs nothing: it is read later.
+    Returns the new `model_parameters`; an optimizer's groups are updated in place.
+    """
+    now = dict(module.named_parameters())
+    if {id(p) for p in now.values()} == set(before):
+        return model_parameters  # nothing was rebuilt
+    old_names = {n for n, _ in before.values()}
+
+    def remap(params: Any) -> List[Any]:
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        ids = {id(p) for p in params}
+        if ids == set(before):
+            return list(now.values())
+        if ids and ids == {i for i, (_, grad) in before.items() if grad}:
+            return [p for p in now.values() if p.requires_grad]
+        out = []
+        for p in params:
+            entry = before.get(id(p))
+            if entry is None:
+                out.append(p)  # not a parameter of the module: the caller's own tensor
+            elif entry[0] in now:
+                out.append(now[entry[0]])
+        return out
+
+    def check(groups: List[List[Any]], what: str) -> None:
+        covered = {id(p) for g in groups for p in g}
+        missing = sorted(n for n, p in now.items() if p.requires_grad and n not in old_names and id(p) not in covered)
+        if missing:
+            more = ", ..." if len(missing) > 4 else ""
+            raise ConfigError([f"{what}: pdv.placement moved layers onto this stage whose parameters "
+                               f"({', '.join(missing[:4])}{more}) are in no parameter group; pass model.parameters() "
+                               "(or None), or build the groups from the module after pdv_ext.initialize"])
+
+    if isinstance(model_parameters, (list, tuple)) and model_parameters:
+        if all(isinstance(g, dict) for g in model_parameters):
+            model_parameters = [{**g, "params": remap(g["params"])} for g in model_parameters]
+            check([g["params"] for g in model_parameters], "model_parameters")
+        else:
+            model_parameters = remap(model_parameters)
+            check([model_parameters], "model_parameters")
+    if optimizer is not None and hasattr(optimizer, "param_groups"):
+        for g in optimizer.param_groups:
+            g["params"] = remap(g["params"])
+        check([g["params"] for g in optimizer.param_groups], "optimizer")
+    return model_parameters
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -315,7 +376,9 @@ def initialize(args: Any = None,
         raise ConfigError(["pdv.init_search: pass init_search_iter=... (this rank's (inputs, labels) batches)"])
     deepspeed.comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                     distributed_port=distributed_port, dist_init_required=dist_init_required)
+    before = parameter_names(model)
     model._pdv_placement = resolve_placement(model, pdv_cfg)
+    model_parameters = follow_rebuild(model, before, model_parameters, optimizer)
     if pdv_cfg.init_search.enabled:  # before the engine: optimizer and master weights start from the winner
         from ..init_search import search_pipeline_init
 

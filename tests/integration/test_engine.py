@@ -52,6 +52,9 @@ def test_explicit_boundaries_and_rank_mapping():
     assert by_rank[0]["dp_ranks"] == [0, 3] and by_rank[1]["dp_ranks"] == [1, 2]
     # stage 0 holds layers 0-2 whichever ranks run it
     assert sorted({k.split(".")[0] for k in by_rank[3]["weights"]}) == ["0", "1", "2"]
+    # the optimizer trains the rebuilt layers (model_parameters was a list taken before the re-partition)
+    for r in plain + mapped:
+        assert all(not torch.equal(w, r["initial"][n]) for n, w in r["weights"].items()), f"rank {r['rank']} did not train"
     # seeded per layer: the same model and data, so the same losses under either placement
     assert plain[0]["losses"] == by_rank[0]["losses"]
     for name, w in by_rank[0]["weights"].items():

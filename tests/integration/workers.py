@@ -43,9 +43,10 @@ def train_mlp(engine: str = "pdv", steps: int = 3, stages: int = 2, layers: int 
         cfg.pop("pdv", None)
     eng, _, _, _ = init(model=model, config=cfg, model_parameters=[p for p in model.parameters() if p.requires_grad])
     data = synthetic_batches(16, 4, micro_batch, seed=seed + eng.grid.get_data_parallel_id())
+    initial = {name: p.detach().clone() for name, p in eng.module.named_parameters()}
     losses = [float(eng.train_batch(data_iter=data)) for _ in range(steps)]
     weights = {name: p.detach().clone() for name, p in eng.module.named_parameters()}
-    return {"losses": losses, "weights": weights, "stage": eng.stage_id, "parts": list(eng.module.parts),
+    return {"losses": losses, "weights": weights, "initial": initial, "stage": eng.stage_id, "parts": list(eng.module.parts),
             "dp_ranks": sorted(eng.grid.dp_group), "rank": dist.get_rank(),
             "engine": type(eng).__name__, "aggregator": getattr(getattr(eng, "aggregator", None), "name", None)}
 
