@@ -8,8 +8,7 @@ DeepSpeed's pipeline engine dispatches schedule instructions through the class-l
 from __future__ import annotations
 
 import json
-import os
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
