@@ -80,7 +80,7 @@ def plot_gantt(plan: Any, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    compute = [s["compute"] for s in plan.stages]
+    compute = [s["compute"] + s.get("engine", 0.0) for s in plan.stages]
     comm = [s["comm"] for s in plan.stages]
     sched = schedule_1f1b(compute, plan.micro_batches, comm)
     S = len(sched)
@@ -223,6 +223,8 @@ def profile_main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--engine", action="store_true",
+                    help="also measure DeepSpeed's per-instruction / per-step work (one-stage engine, ~20 s)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -237,6 +239,10 @@ def profile_main(argv: Optional[List[str]] = None) -> int:
     prof = profile_layers(specs, sample, reps=args.reps, progress=sys.stderr.isatty(), loss_fn=loss_fn,
                           labels=labels)
     prof.meta.update({"model": args.model, "layers": args.layers, "hidden": args.hidden})
+    if args.engine:
+        from .profile import engine_overhead
+
+        prof.engine = engine_overhead(len(prof))
     prof.save(args.out)
     total = sum(l.fwd_bwd for l in prof.layers)
     print(f"{len(prof)} layers, fwd+bwd {total * 1e3:.2f} ms per micro-batch of {args.micro_batch}, "

@@ -3,15 +3,20 @@
 For a plan with S stages on device groups g_0..g_{S-1} (each of the same data-parallel width w) and B
 micro-batches:
 
-    t_s   = compute_s + comm_s
+    t_s   = compute_s + comm_s + engine_s
     compute_s = sum of the stage's layers' fwd+bwd time / speed of the slowest device of g_s
     comm_s    = 2 * max over replicas r of p2p(g_s[r] -> g_{s+1}[r], activation bytes at the boundary)
                 (forward activation out, gradient back; link only, 0 for the last stage)
                 + (message time at the input boundary + at the output boundary) / speed of g_s
                 (the device's own send/recv work per micro-batch: one message each way per boundary)
+    engine_s  = instructions_s * engine instruction time / speed of g_s
+                (DeepSpeed's own work per pipeline instruction: ForwardPass, BackwardPass, LoadMicroBatch on
+                the first and last stage, RecvActivation + SendGrad unless first, SendActivation + RecvGrad
+                unless last)
     r_s   = data-parallel reduction of the stage's gradient bytes over g_s (aggregator's pattern)
     u_s   = sum of the stage's layers' parameter update time / speed of the slowest device of g_s
             (grad norm + optimizer step + zero_grad: once per step, on every device, after the pipeline)
+            + engine step time / speed of g_s (DeepSpeed's fixed work per step outside the micro-batches)
     step  = (B - 1) * max_s t_s + sum_s t_s + max_s (r_s + u_s)
 
 The update is CPU work like compute, so a slow (or CPU-throttled) device pays it at its own speed (on
@@ -56,10 +61,11 @@ class StageCost:
     comm: float
     time: float
     reduce: float
-    update: float               # parameter update on the slowest device, once per step
+    update: float               # parameter update (+ engine's per-step work) on the slowest device, once per step
     memory: float               # worst device, bytes
     memory_limit: float
     fits: bool
+    engine: float = 0.0         # DeepSpeed's per-instruction work per micro-batch (in `time`)
 
 
 @dataclass
@@ -94,6 +100,13 @@ class StageParams:
     reduce_b: np.ndarray
     mem_cap: np.ndarray         # (S,) smallest device memory
     inflight: np.ndarray        # (S,) micro-batches whose activations are held
+    overhead: Optional[np.ndarray] = None    # (S,) engine work per micro-batch on the stage's slowest device
+    tail_fixed: Optional[np.ndarray] = None  # (S,) engine work per step (outside micro-batches), same device
+
+    def __post_init__(self):
+        n = len(self.speed)
+        self.overhead = np.zeros(n) if self.overhead is None else np.asarray(self.overhead, dtype=float)
+        self.tail_fixed = np.zeros(n) if self.tail_fixed is None else np.asarray(self.tail_fixed, dtype=float)
 
     def comm(self, s: int, act_bytes):
         """2 * worst replica p2p time for `act_bytes` (scalar or array)."""
@@ -116,8 +129,17 @@ class StageParams:
         return update / self.speed[s]
 
     def tail(self, s: int, param_bytes, update):
-        """Stage s's work after the pipeline drains: gradient reduction, then parameter update."""
-        return self.reduce(s, param_bytes) + self.update(s, update)
+        """Stage s's work after the pipeline drains: gradient reduction, then parameter update (plus the
+        engine's fixed per-step work)."""
+        return self.reduce(s, param_bytes) + self.update(s, update) + self.tail_fixed[s]
+
+
+def instructions(s: int, num_stages: int) -> int:
+    """DeepSpeed pipeline instructions stage s executes per micro-batch (TrainSchedule): ForwardPass,
+    BackwardPass; LoadMicroBatch on the first and last stage; RecvActivation + SendGrad unless first;
+    SendActivation + RecvGrad unless last."""
+    first, last = s == 0, s == num_stages - 1
+    return 2 + (1 if first or last else 0) + (0 if first else 2) + (0 if last else 2)
 
 
 def reduce_coeffs(cluster: Cluster, group: Sequence[int], pattern: str, crossing_share: int = 1,
@@ -149,7 +171,10 @@ def reduce_coeffs(cluster: Cluster, group: Sequence[int], pattern: str, crossing
 
 
 def stage_params(cluster: Cluster, groups: Sequence[Sequence[int]], micro_batches: int,
-                 schedule: str = "1f1b", aggregator: str = "mean") -> StageParams:
+                 schedule: str = "1f1b", aggregator: str = "mean", engine: Optional[Dict[str, Any]] = None
+                 ) -> StageParams:
+    """Per-stage constants; `engine` = `Profile.engine` (DeepSpeed's per-instruction and per-step work on
+    the profiling device), scaled to each stage's slowest device like compute."""
     s_count = len(groups)
     pattern = AGGREGATOR_PATTERN.get(aggregator, "ring")
     speed = np.array([min(cluster.speed(d) for d in g) for g in groups], dtype=float)
@@ -182,7 +207,10 @@ def stage_params(cluster: Cluster, groups: Sequence[Sequence[int]], micro_batche
         infl = np.array([float(min(s_count - s, micro_batches)) for s in range(s_count)])
     else:
         raise ValueError(f"unknown schedule '{schedule}' (1f1b or gpipe)")
-    return StageParams(speed, p2p, ra, rb, cap, infl)
+    instr = float((engine or {}).get("instruction", 0.0))
+    step = float((engine or {}).get("step", 0.0))
+    overhead = np.array([instructions(s, s_count) * instr for s in range(s_count)]) / speed
+    return StageParams(speed, p2p, ra, rb, cap, infl, overhead, np.full(s_count, step) / speed)
 
 
 def evaluate(profile: Profile, cluster: Cluster, boundaries: Sequence[int], groups: Sequence[Sequence[int]],
@@ -192,7 +220,7 @@ def evaluate(profile: Profile, cluster: Cluster, boundaries: Sequence[int], grou
     n = len(profile)
     if list(boundaries)[0] != 0 or list(boundaries)[-1] != n or len(boundaries) - 1 != len(groups):
         raise ValueError(f"boundaries {list(boundaries)} do not split {n} layers into {len(groups)} stages")
-    sp = stage_params(cluster, groups, micro_batches, schedule, aggregator)
+    sp = stage_params(cluster, groups, micro_batches, schedule, aggregator, profile.engine)
     stages = []
     for s in range(len(groups)):
         k, l = boundaries[s], boundaries[s + 1]
@@ -201,12 +229,14 @@ def evaluate(profile: Profile, cluster: Cluster, boundaries: Sequence[int], grou
         compute = float(arr["fwd_bwd"][k:l].sum() / sp.speed[s])
         comm = float(sp.comm(s, arr["act_bytes"][l - 1])) if s < len(groups) - 1 else 0.0
         comm += float(sp.messages(s, arr["p2p"][k - 1] if k else 0.0, arr["p2p"][l - 1]))
+        engine = float(sp.overhead[s])
         params = float(arr["param_bytes"][k:l].sum())
         red = float(sp.reduce(s, params))
-        upd = float(sp.update(s, arr["update"][k:l].sum()))
+        upd = float(sp.update(s, arr["update"][k:l].sum())) + float(sp.tail_fixed[s])
         mem = OPTIMIZER_STATE_FACTOR * params + sp.inflight[s] * float(arr["saved_bytes"][k:l].sum())
-        stages.append(StageCost(s, [int(k), int(l)], [int(d) for d in groups[s]], compute, comm, compute + comm,
-                                red, upd, mem, float(sp.mem_cap[s]), bool(mem <= sp.mem_cap[s])))
+        stages.append(StageCost(s, [int(k), int(l)], [int(d) for d in groups[s]], compute, comm,
+                                compute + comm + engine, red, upd, mem, float(sp.mem_cap[s]),
+                                bool(mem <= sp.mem_cap[s]), engine))
     times = [st.time for st in stages]
     pipe = (micro_batches - 1) * max(times) + sum(times)
     tail = max(st.reduce + st.update for st in stages)

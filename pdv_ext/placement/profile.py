@@ -45,6 +45,9 @@ class Profile:
     device: str = "cpu"
     device_throughput: Optional[float] = None  # measured matmul FLOP/s of the profiling device
     meta: Dict[str, Any] = field(default_factory=dict)
+    # DeepSpeed's own work on the profiling device (see `engine_overhead`): {"instruction": seconds per
+    # pipeline instruction, "step": seconds per step outside the micro-batches}; None = not measured
+    engine: Optional[Dict[str, Any]] = None
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -58,7 +61,19 @@ class Profile:
         """The profile as seen on a device `speed` times as fast as the profiling device."""
         return Profile([LayerProfile(l.name, l.fwd_bwd / speed, l.param_bytes, l.act_bytes, l.saved_bytes,
                                      l.update / speed, l.p2p / speed) for l in self.layers], self.micro_batch, self.device,
-                       None if self.device_throughput is None else self.device_throughput * speed, dict(self.meta))
+                       None if self.device_throughput is None else self.device_throughput * speed, dict(self.meta),
+                       None if self.engine is None else {**self.engine, "instruction": self.engine_instruction / speed,
+                                                         "step": self.engine_step / speed})
+
+    @property
+    def engine_instruction(self) -> float:
+        """Seconds of DeepSpeed's work per pipeline instruction on the profiling device (0 if not measured)."""
+        return float((self.engine or {}).get("instruction", 0.0))
+
+    @property
+    def engine_step(self) -> float:
+        """Seconds of DeepSpeed's fixed work per step (outside the micro-batches) on the profiling device."""
+        return float((self.engine or {}).get("step", 0.0))
 
     # -- persistence --------------------------------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:
@@ -75,7 +90,7 @@ class Profile:
         if not layers:
             raise ValueError("the profile has no layers")
         return cls(layers, int(d.get("micro_batch", 1)), d.get("device", "cpu"), d.get("device_throughput"),
-                   dict(d.get("meta", {})))
+                   dict(d.get("meta", {})), d.get("engine"))
 
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -351,3 +366,94 @@ def profile_module(module: Any, sample_input: Any, reps: int = 5, progress: bool
         raise TypeError("profile_module needs a deepspeed PipelineModule (or call profile_layers with a list)")
     return profile_layers(specs, sample_input, reps=reps, progress=progress,
                           loss_fn=getattr(module, "loss_fn", None), labels=labels)
+
+
+# ---------------------------------------------------------------------------------------------------
+# DeepSpeed's own work per pipeline instruction
+# ---------------------------------------------------------------------------------------------------
+ENGINE_MICRO_BATCHES = (2, 8)
+
+
+def _engine_worker(num_layers: int, micro_batches: Sequence[int], reps: int, warmup: int) -> Dict[str, Any]:
+    """In a fresh process (world size 1): time `train_batch` of a one-stage DeepSpeed PipelineEngine over
+    `num_layers` trivially cheap layers (Linear 4 -> 4 on 2 x 4 inputs, MSE loss, AdamW as in training), for
+    each gradient-accumulation count in `micro_batches`. What remains is the engine's own work: the
+    schedule loop and the instructions' Python (LoadMicroBatch, ForwardPass, BackwardPass per micro-batch;
+    ReduceTiedGrads, ReduceGrads, OptimizerStep, loss aggregation per step)."""
+    import os
+    import socket
+
+    import torch
+    from torch import nn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+
+    def data():
+        while True:
+            yield x, y
+
+    out: Dict[str, Any] = {}
+    for b in micro_batches:
+        model = PipelineModule(layers=[nn.Linear(4, 4) for _ in range(num_layers)], num_stages=1,
+                               loss_fn=nn.functional.mse_loss, partition_method="uniform")
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": int(b), "train_batch_size": 2 * int(b),
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+               "steps_per_print": 10 ** 9}
+        engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,
+                                               model_parameters=[p for p in model.parameters()])
+        it = data()
+        times = []
+        for r in range(warmup + reps):
+            t0 = time.perf_counter()
+            engine.train_batch(data_iter=it)
+            if r >= warmup:
+                times.append(time.perf_counter() - t0)
+        out[str(b)] = float(statistics.median(times))
+    return out
+
+
+def engine_overhead(num_layers: int, micro_batches: Sequence[int] = ENGINE_MICRO_BATCHES, reps: int = 7,
+                    warmup: int = 3, timeout: float = 600.0) -> Optional[Dict[str, float]]:
+    """DeepSpeed PipelineEngine's fixed cost on this device: {"instruction": seconds of one pipeline
+    instruction's engine work (the per-micro-batch slope of a one-stage engine / its 3 instructions),
+    "step": seconds per step outside the micro-batches (the intercept), "micro_batch_slope", "times"}.
+
+    Measured in a child process (DeepSpeed needs its own world; the child shares this process's CPU quota
+    and cores). None when DeepSpeed is unavailable or the run fails."""
+    import json as _json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "pdv_ext.placement.profile", "engine", str(num_layers), str(reps), str(warmup),
+           *[str(b) for b in micro_batches]]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        return None
+    times = {int(k): v for k, v in _json.loads(lines[-1]).items()}
+    bs = sorted(times)
+    slope, icpt = np.polyfit(np.array(bs, dtype=float), np.array([times[b] for b in bs]), 1)
+    slope = max(float(slope), 0.0)
+    return {"instruction": slope / 3.0, "step": max(float(times[bs[0]] - slope * bs[0]), 0.0),
+            "micro_batch_slope": slope, "times": {str(b): times[b] for b in bs}}
+
+
+if __name__ == "__main__":  # child of engine_overhead
+    import sys
+
+    if len(sys.argv) >= 5 and sys.argv[1] == "engine":
+        res = _engine_worker(int(sys.argv[2]), [int(b) for b in sys.argv[5:]], int(sys.argv[3]), int(sys.argv[4]))
+        print(json.dumps(res), flush=True)

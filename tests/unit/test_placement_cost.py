@@ -69,6 +69,28 @@ def test_messages_are_paid_per_micro_batch_on_both_sides_of_a_boundary():
     assert [c.comm - b.comm for c, b in zip(cb.stages, base.stages)] == pytest.approx([0.25, (0.25 + 0.5) / 0.5, 0.5])
 
 
+def test_engine_work_per_instruction_and_per_step_on_the_stage_device():
+    _, prof = _setup()
+    cluster = Cluster.from_dict({"devices": [{"name": n, "host": "h", "throughput": t}
+                                              for n, t in (("a", 2.0), ("b", 1.0), ("c", 2.0))]})
+    base = evaluate(prof, cluster, [0, 1, 2, 3], [[0], [1], [2]], 4)
+    prof.engine = {"instruction": 0.1, "step": 0.4}
+    cb = evaluate(prof, cluster, [0, 1, 2, 3], [[0], [1], [2]], 4)
+    # first stage: load, fwd, bwd, send act, recv grad (5); middle (speed 0.5): recv/send both ways, no
+    # load (6); last: load, recv act, fwd, bwd, send grad (5)
+    assert [c.time - b.time for c, b in zip(cb.stages, base.stages)] == pytest.approx([0.5, 6 * 0.1 / 0.5, 0.5])
+    assert [c.engine for c in cb.stages] == pytest.approx([0.5, 1.2, 0.5])
+    assert [c.update - b.update for c, b in zip(cb.stages, base.stages)] == pytest.approx([0.4, 0.8, 0.4])
+    times = [c.time for c in cb.stages]
+    assert cb.step_time == pytest.approx(3 * max(times) + sum(times) + cb.tail_time)
+    # a one-stage pipeline: load, fwd, bwd
+    one = evaluate(prof, cluster, [0, 3], [[0, 1, 2]], 4)
+    assert one.stages[0].engine == pytest.approx(3 * 0.1 / 0.5)
+    # it survives a save / load and scales with the device
+    assert Profile.from_dict(prof.to_dict()).engine == prof.engine
+    assert prof.scaled(2.0).engine_instruction == pytest.approx(0.05)
+
+
 def test_profile_measures_update_and_loss_without_changing_weights():
     import torch
     from torch import nn

@@ -129,9 +129,11 @@ def _optimise_inner(profile, cluster, w, micro_batches, schedule, aggregator, st
     v = torch.tensor(arr["saved_bytes"], dtype=torch.float64)
     u = torch.tensor(arr["update"], dtype=torch.float64) / scale
     m = torch.tensor(arr["p2p"], dtype=torch.float64) / scale
-    sps = [stage_params(cluster, ch, micro_batches, schedule, aggregator) for ch in chains]
+    sps = [stage_params(cluster, ch, micro_batches, schedule, aggregator, profile.engine) for ch in chains]
     speed, lat, bw, ra, rb, cap, infl = _chain_tensors(sps)
     lat, ra = lat / scale, ra / scale
+    eng = torch.tensor(np.array([sp.overhead for sp in sps]), dtype=torch.float64) / scale     # (K, S)
+    tfix = torch.tensor(np.array([sp.tail_fixed for sp in sps]), dtype=torch.float64) / scale
     bw, rb = bw * scale, rb / scale
     gen = torch.Generator().manual_seed(seed)
     # start from the split that balances compute against the stages' mean speed over the chains
@@ -167,7 +169,8 @@ def _optimise_inner(profile, cluster, w, micro_batches, schedule, aggregator, st
         t = torch.cat([t[:, :-1] + comm, t[:, -1:]], dim=1)
         msg = torch.nn.functional.pad(near @ m, (1, 1))                    # (S+1,) per cut, 0 at the ends
         t = t + (msg[:-1] + msg[1:])[None, :] / speed                       # send/recv work at both cuts
-        r = ra + rb * prm[None, :] + (member @ u)[None, :] / speed             # tail: reduce + update
+        t = t + eng                                                         # engine work per instruction
+        r = ra + rb * prm[None, :] + (member @ u)[None, :] / speed + tfix      # tail: reduce + update + engine
         smooth = 0.05 * (t.detach().mean() + 1e-12)
         tmax = smooth * torch.logsumexp(t / smooth, dim=1)
         rs = 0.05 * (r.detach().mean() + 1e-12)

@@ -78,10 +78,11 @@ class ChainDP:
         self.sp = sp
         act = np.concatenate([z, arr["act_bytes"]])  # act[l] = output bytes of layer l-1 (boundary l)
         msg = np.concatenate([z, arr["p2p"]])
-        # per boundary l: link transfer + the stage's send/recv work at its output (comm) / its input (msg_in)
+        # per boundary l: link transfer + the stage's send/recv work at its output (comm) / its input (msg_in);
+        # the engine's per-instruction work is a per-stage constant, carried in comm
         zero = np.zeros(self.L + 1)
         self.comm = [zero + (sp.comm(s, act) if s < self.S - 1 else 0.0) + sp.messages(s, 0.0, msg)
-                     for s in range(self.S)]
+                     + sp.overhead[s] for s in range(self.S)]
         self.msg_in = [zero + sp.messages(s, msg, 0.0) for s in range(self.S)]
         self.vmax = float(sp.speed.max())
         self._bands: Dict[int, Any] = {}
@@ -202,7 +203,8 @@ class ChainDP:
             return INF, None, passes, exact
         best_bounds = None
         sum_lb = self.C[-1] / self.vmax  # sum of stage times >= all compute on the fastest group
-        no_tail = self.sp.reduce_b.max() == 0 and self.sp.reduce_a.max() == 0 and self.U[-1] == 0
+        no_tail = (self.sp.reduce_b.max() == 0 and self.sp.reduce_a.max() == 0 and self.U[-1] == 0
+                   and self.sp.tail_fixed.max() == 0)
 
         def inner(m: float):
             """F(m) = min_R R + G(m, R) -> (value, bounds, max t of that solution, lower bound of F(m)).
@@ -324,7 +326,8 @@ def solve_dp(profile: Profile, cluster: Cluster, num_stages: Optional[int], micr
     head = [c for c in cands if c[0] <= 1.3 * cands[0][0]][:12] if cands else []
     sharp = []
     for lb, name, chain in head:
-        dp = ChainDP(profile, stage_params(cluster, chain, micro_batches, schedule, aggregator))
+        dp = ChainDP(profile, stage_params(cluster, chain, micro_batches, schedule, aggregator,
+                                                   profile.engine))
         sharp.append((dp.lower_bound(micro_batches), name, chain, dp))
         passes += 1
     sharp.sort(key=lambda x: x[0])
@@ -335,7 +338,8 @@ def solve_dp(profile: Profile, cluster: Cluster, num_stages: Optional[int], micr
                 break  # the cheap bounds are sorted: nothing after this can win
             continue
         if dp is None:
-            dp = ChainDP(profile, stage_params(cluster, chain, micro_batches, schedule, aggregator))
+            dp = ChainDP(profile, stage_params(cluster, chain, micro_batches, schedule, aggregator,
+                                                   profile.engine))
             if dp.lower_bound(micro_batches) >= best[0]:
                 passes, tried = passes + 1, tried + 1
                 continue
