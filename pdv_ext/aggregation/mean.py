@@ -6,18 +6,22 @@ exactly the same operations in the same order, so losses and weights match vanil
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 
 from ..comm.base import Comm
 from ..config_base import StrictModel
-from .base import Aggregator, BufferCache, flatten, group_by_dtype, register_aggregator, unflatten_into
+from .base import Aggregator, BufferCache, all_finite, flatten, group_by_dtype, register_aggregator, unflatten_into
 
 
 @register_aggregator("mean")
 class Mean(Aggregator):
     """Average of all replicas' gradients (DeepSpeed's default reduction)."""
+
+    #: a NaN/Inf in any rank's input reaches the reduced buffer, so one sum over it (contiguous) checks
+    #: every rank; the inputs are still intact then, so the culprit can be named
+    checks_nonfinite = True
 
     class Options(StrictModel):
         #: scale before the all-reduce instead of after (DeepSpeed's `prescale_gradients`)
@@ -29,10 +33,12 @@ class Mean(Aggregator):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._buffers = BufferCache()  # flat bucket buffers kept across steps (same arithmetic as a fresh one)
+        self._buffers = BufferCache()
+        self.nonfinite_local_ok: Optional[bool] = None  # flat bucket buffers kept across steps (same arithmetic as a fresh one)
 
     def aggregate(self, grads: List[torch.Tensor], comm: Comm) -> List[torch.Tensor]:
         opt = self.options
+        self.nonfinite_local_ok = None
         for idx in group_by_dtype(grads).values():
             bucket: List[torch.Tensor] = []
             numel = 0
@@ -58,4 +64,7 @@ class Mean(Aggregator):
             comm.all_reduce(buf, "sum")
             if opt.predivide_factor != world:
                 buf.mul_(opt.predivide_factor / world)
+        if not all_finite([buf]):  # some rank's input (or the sum) was not finite
+            mine = all_finite(bucket)  # this rank's input, not yet overwritten
+            self.nonfinite_local_ok = mine if self.nonfinite_local_ok is None else (self.nonfinite_local_ok and mine)
         unflatten_into(buf, bucket)

@@ -109,3 +109,20 @@ def test_all_finite_fast_path_is_exact():
         t = torch.ones(5, dtype=torch.float64)
         t[2] = bad
         assert not all_finite([torch.ones(2), t])
+
+
+def test_mean_checks_its_own_buffer_overflow_and_checksum_overflow():
+    """mean spots NaN/Inf on its reduced buffer: a true overflow raises naming no rank; a buffer whose
+    checksum overflows but whose values are all finite passes."""
+    def overflow(comm):
+        NonFiniteGuard().run(build_aggregator("mean"), [torch.full((4,), 3e38)], comm, step=3)
+
+    with pytest.raises(NonFiniteGradients, match="overflow") as info:
+        run_threads(2, overflow)
+    assert info.value.ranks == []
+
+    def big_but_finite(comm):
+        return NonFiniteGuard().run(build_aggregator("mean"), [torch.full((8,), 1e38)], comm)
+
+    for out in run_threads(2, big_but_finite):
+        assert torch.isfinite(out[0]).all()
