@@ -80,8 +80,8 @@ def plot_gantt(plan: Any, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    compute = [s["compute"] + s.get("engine", 0.0) for s in plan.stages]
-    comm = [s["comm"] for s in plan.stages]
+    compute = [s["compute"] + s["comm"] + s.get("engine", 0.0) for s in plan.stages]
+    comm = [2 * s.get("link", 0.0) for s in plan.stages]  # the link's transfer, forward + backward
     sched = schedule_1f1b(compute, plan.micro_batches, comm)
     S = len(sched)
     fig, ax = plt.subplots(figsize=(12, 0.5 * S + 1.5))
@@ -224,7 +224,7 @@ def profile_main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--engine", action="store_true",
-                    help="also measure DeepSpeed's per-instruction / per-step work (one-stage engine, ~20 s)")
+                    help="also measure DeepSpeed's own per-micro-batch / per-step work (one-stage engines, ~30 s)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     torch.manual_seed(0)

@@ -3,21 +3,27 @@
 For a plan with S stages on device groups g_0..g_{S-1} (each of the same data-parallel width w) and B
 micro-batches:
 
-    t_s   = compute_s + comm_s + engine_s
+    t_s   = compute_s + comm_s + engine_s                  (work of stage s's device per micro-batch)
     compute_s = sum of the stage's layers' fwd+bwd time / speed of the slowest device of g_s
-    comm_s    = 2 * max over replicas r of p2p(g_s[r] -> g_{s+1}[r], activation bytes at the boundary)
-                (forward activation out, gradient back; link only, 0 for the last stage)
-                + (message time at the input boundary + at the output boundary) / speed of g_s
+    comm_s    = (message time at the input boundary + at the output boundary) / speed of g_s
                 (the device's own send/recv work per micro-batch: one message each way per boundary)
-    engine_s  = instructions_s * engine instruction time / speed of g_s
-                (DeepSpeed's own work per pipeline instruction: ForwardPass, BackwardPass, LoadMicroBatch on
-                the first and last stage, RecvActivation + SendGrad unless first, SendActivation + RecvGrad
-                unless last)
+    engine_s  = engine micro-batch time / speed of g_s
+                (DeepSpeed's own work per micro-batch: schedule loop, LoadMicroBatch, ForwardPass and
+                BackwardPass instructions' Python; send/recv instructions are gloo's work, in comm_s)
+    x_s   = max over replicas r of [latency + activation bytes at the boundary / bandwidth](g_s[r] -> g_{s+1}[r])
+            (the link's transfer per micro-batch and direction; 0 after the last stage)
     r_s   = data-parallel reduction of the stage's gradient bytes over g_s (aggregator's pattern)
     u_s   = sum of the stage's layers' parameter update time / speed of the slowest device of g_s
             (grad norm + optimizer step + zero_grad: once per step, on every device, after the pipeline)
             + engine step time / speed of g_s (DeepSpeed's fixed work per step outside the micro-batches)
-    step  = (B - 1) * max_s t_s + sum_s t_s + max_s (r_s + u_s)
+    step  = (B - 1) * max(max_s t_s, max_s x_s) + sum_s t_s + 2 sum_s x_s + max_s (r_s + u_s)
+
+A link is a pipeline resource of its own: a send returns once the message is in the kernel's socket
+buffer, so the transfer overlaps the devices' work, and a (full-duplex) link carries one activation and
+one gradient per micro-batch, one each way. It bounds the steady state only when it is slower than every
+stage (x_s in the max); the first micro-batch's activations and the last one's gradients cross every
+link once (2 sum x_s in the fill and drain). The device's own send/recv work is in series with its
+compute (comm_s).
 
 The update is CPU work like compute, so a slow (or CPU-throttled) device pays it at its own speed (on
 the emulated benchmark cluster, tens of milliseconds per step on the quarter-speed device).
@@ -58,14 +64,15 @@ class StageCost:
     layers: List[int]           # [start, stop)
     devices: List[int]
     compute: float
-    comm: float
-    time: float
+    comm: float                 # the device's own send/recv work per micro-batch
+    time: float                 # compute + comm + engine: the device's work per micro-batch
     reduce: float
     update: float               # parameter update (+ engine's per-step work) on the slowest device, once per step
     memory: float               # worst device, bytes
     memory_limit: float
     fits: bool
-    engine: float = 0.0         # DeepSpeed's per-instruction work per micro-batch (in `time`)
+    engine: float = 0.0         # DeepSpeed's own work per micro-batch (in `time`)
+    link: float = 0.0           # link transfer to the next stage per micro-batch and direction (overlapped)
 
 
 @dataclass
@@ -73,7 +80,7 @@ class CostBreakdown:
     step_time: float
     pipeline_time: float
     tail_time: float            # max over stages of reduce + update, after the pipeline drains
-    bottleneck: float
+    bottleneck: float           # max over stages of t_s and over links of x_s
     feasible: bool
     schedule: str
     micro_batches: int
@@ -108,12 +115,12 @@ class StageParams:
         self.overhead = np.zeros(n) if self.overhead is None else np.asarray(self.overhead, dtype=float)
         self.tail_fixed = np.zeros(n) if self.tail_fixed is None else np.asarray(self.tail_fixed, dtype=float)
 
-    def comm(self, s: int, act_bytes):
-        """2 * worst replica p2p time for `act_bytes` (scalar or array)."""
+    def link(self, s: int, act_bytes):
+        """Worst replica's link transfer of `act_bytes` (scalar or array) to the next stage, one direction."""
         if not self.p2p[s]:
             return np.zeros_like(np.asarray(act_bytes, dtype=float))
         a = np.asarray(act_bytes, dtype=float)
-        return 2.0 * np.max([lat + a / bw for lat, bw in self.p2p[s]], axis=0)
+        return np.max([lat + a / bw for lat, bw in self.p2p[s]], axis=0)
 
     def messages(self, s: int, msg_in, msg_out):
         """Send/recv work of stage s per micro-batch at its input and output boundaries (profiling-device
@@ -132,14 +139,6 @@ class StageParams:
         """Stage s's work after the pipeline drains: gradient reduction, then parameter update (plus the
         engine's fixed per-step work)."""
         return self.reduce(s, param_bytes) + self.update(s, update) + self.tail_fixed[s]
-
-
-def instructions(s: int, num_stages: int) -> int:
-    """DeepSpeed pipeline instructions stage s executes per micro-batch (TrainSchedule): ForwardPass,
-    BackwardPass; LoadMicroBatch on the first and last stage; RecvActivation + SendGrad unless first;
-    SendActivation + RecvGrad unless last."""
-    first, last = s == 0, s == num_stages - 1
-    return 2 + (1 if first or last else 0) + (0 if first else 2) + (0 if last else 2)
 
 
 def reduce_coeffs(cluster: Cluster, group: Sequence[int], pattern: str, crossing_share: int = 1,
@@ -173,7 +172,7 @@ def reduce_coeffs(cluster: Cluster, group: Sequence[int], pattern: str, crossing
 def stage_params(cluster: Cluster, groups: Sequence[Sequence[int]], micro_batches: int,
                  schedule: str = "1f1b", aggregator: str = "mean", engine: Optional[Dict[str, Any]] = None
                  ) -> StageParams:
-    """Per-stage constants; `engine` = `Profile.engine` (DeepSpeed's per-instruction and per-step work on
+    """Per-stage constants; `engine` = `Profile.engine` (DeepSpeed's per-micro-batch and per-step work on
     the profiling device), scaled to each stage's slowest device like compute."""
     s_count = len(groups)
     pattern = AGGREGATOR_PATTERN.get(aggregator, "ring")
@@ -207,9 +206,9 @@ def stage_params(cluster: Cluster, groups: Sequence[Sequence[int]], micro_batche
         infl = np.array([float(min(s_count - s, micro_batches)) for s in range(s_count)])
     else:
         raise ValueError(f"unknown schedule '{schedule}' (1f1b or gpipe)")
-    instr = float((engine or {}).get("instruction", 0.0))
+    per_mb = float((engine or {}).get("micro_batch", 0.0))
     step = float((engine or {}).get("step", 0.0))
-    overhead = np.array([instructions(s, s_count) * instr for s in range(s_count)]) / speed
+    overhead = np.full(s_count, per_mb) / speed
     return StageParams(speed, p2p, ra, rb, cap, infl, overhead, np.full(s_count, step) / speed)
 
 
@@ -227,8 +226,8 @@ def evaluate(profile: Profile, cluster: Cluster, boundaries: Sequence[int], grou
         if l <= k:
             raise ValueError(f"stage {s} has no layers (boundaries {list(boundaries)})")
         compute = float(arr["fwd_bwd"][k:l].sum() / sp.speed[s])
-        comm = float(sp.comm(s, arr["act_bytes"][l - 1])) if s < len(groups) - 1 else 0.0
-        comm += float(sp.messages(s, arr["p2p"][k - 1] if k else 0.0, arr["p2p"][l - 1]))
+        link = float(sp.link(s, arr["act_bytes"][l - 1])) if s < len(groups) - 1 else 0.0
+        comm = float(sp.messages(s, arr["p2p"][k - 1] if k else 0.0, arr["p2p"][l - 1]))
         engine = float(sp.overhead[s])
         params = float(arr["param_bytes"][k:l].sum())
         red = float(sp.reduce(s, params))
@@ -236,9 +235,11 @@ def evaluate(profile: Profile, cluster: Cluster, boundaries: Sequence[int], grou
         mem = OPTIMIZER_STATE_FACTOR * params + sp.inflight[s] * float(arr["saved_bytes"][k:l].sum())
         stages.append(StageCost(s, [int(k), int(l)], [int(d) for d in groups[s]], compute, comm,
                                 compute + comm + engine, red, upd, mem, float(sp.mem_cap[s]),
-                                bool(mem <= sp.mem_cap[s]), engine))
+                                bool(mem <= sp.mem_cap[s]), engine, link))
     times = [st.time for st in stages]
-    pipe = (micro_batches - 1) * max(times) + sum(times)
+    links = [st.link for st in stages]
+    bottleneck = max(max(times), max(links))
+    pipe = (micro_batches - 1) * bottleneck + sum(times) + 2 * sum(links)
     tail = max(st.reduce + st.update for st in stages)
-    return CostBreakdown(pipe + tail, pipe, tail, max(times), all(st.fits for st in stages), schedule,
+    return CostBreakdown(pipe + tail, pipe, tail, bottleneck, all(st.fits for st in stages), schedule,
                          micro_batches, stages)

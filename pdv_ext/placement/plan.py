@@ -70,9 +70,9 @@ class Plan:
             return cls.from_dict(json.load(f))
 
     def table(self) -> str:
-        """Stage | layers | devices | compute | comm | engine | reduce | update | memory, in a fixed-width table."""
-        rows = [("stage", "layers", "devices", "compute ms", "comm ms", "engine ms", "reduce ms", "update ms",
-                 "memory MiB")]
+        """Stage | layers | devices | compute | comm | engine | link | reduce | update | memory, fixed-width."""
+        rows = [("stage", "layers", "devices", "compute ms", "comm ms", "engine ms", "link ms", "reduce ms",
+                 "update ms", "memory MiB")]
         for s in self.stages:
             lim = s.get("memory_limit")
             mem = f"{s['memory'] / 2 ** 20:.1f}" + (f"/{lim / 2 ** 20:.0f}" if lim else "")
@@ -80,7 +80,8 @@ class Plan:
             rows.append((str(s["stage"]), f"{s['layers'][0]}-{s['layers'][1] - 1}",
                          devs if len(devs) <= 24 else devs[:21] + "...",
                          f"{s['compute'] * 1e3:.3f}", f"{s['comm'] * 1e3:.3f}",
-                         f"{s.get('engine', 0.0) * 1e3:.3f}", f"{s['reduce'] * 1e3:.3f}",
+                         f"{s.get('engine', 0.0) * 1e3:.3f}", f"{s.get('link', 0.0) * 1e3:.3f}",
+                         f"{s['reduce'] * 1e3:.3f}",
                          f"{s.get('update', 0.0) * 1e3:.3f}", mem))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]

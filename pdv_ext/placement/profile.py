@@ -45,8 +45,8 @@ class Profile:
     device: str = "cpu"
     device_throughput: Optional[float] = None  # measured matmul FLOP/s of the profiling device
     meta: Dict[str, Any] = field(default_factory=dict)
-    # DeepSpeed's own work on the profiling device (see `engine_overhead`): {"instruction": seconds per
-    # pipeline instruction, "step": seconds per step outside the micro-batches}; None = not measured
+    # DeepSpeed's own work on the profiling device (see `engine_overhead`): {"micro_batch": seconds per
+    # micro-batch and stage, "step": seconds per step outside the micro-batches}; None = not measured
     engine: Optional[Dict[str, Any]] = None
 
     def __len__(self) -> int:
@@ -62,13 +62,13 @@ class Profile:
         return Profile([LayerProfile(l.name, l.fwd_bwd / speed, l.param_bytes, l.act_bytes, l.saved_bytes,
                                      l.update / speed, l.p2p / speed) for l in self.layers], self.micro_batch, self.device,
                        None if self.device_throughput is None else self.device_throughput * speed, dict(self.meta),
-                       None if self.engine is None else {**self.engine, "instruction": self.engine_instruction / speed,
+                       None if self.engine is None else {**self.engine, "micro_batch": self.engine_micro_batch / speed,
                                                          "step": self.engine_step / speed})
 
     @property
-    def engine_instruction(self) -> float:
-        """Seconds of DeepSpeed's work per pipeline instruction on the profiling device (0 if not measured)."""
-        return float((self.engine or {}).get("instruction", 0.0))
+    def engine_micro_batch(self) -> float:
+        """Seconds of DeepSpeed's work per micro-batch and stage on the profiling device (0 if not measured)."""
+        return float((self.engine or {}).get("micro_batch", 0.0))
 
     @property
     def engine_step(self) -> float:
@@ -369,17 +369,20 @@ def profile_module(module: Any, sample_input: Any, reps: int = 5, progress: bool
 
 
 # ---------------------------------------------------------------------------------------------------
-# DeepSpeed's own work per pipeline instruction
+# DeepSpeed's own work per micro-batch and per step
 # ---------------------------------------------------------------------------------------------------
-ENGINE_MICRO_BATCHES = (2, 8)
+ENGINE_MICRO_BATCHES = (1, 4, 8)
 
 
 def _engine_worker(num_layers: int, micro_batches: Sequence[int], reps: int, warmup: int) -> Dict[str, Any]:
-    """In a fresh process (world size 1): time `train_batch` of a one-stage DeepSpeed PipelineEngine over
-    `num_layers` trivially cheap layers (Linear 4 -> 4 on 2 x 4 inputs, MSE loss, AdamW as in training), for
-    each gradient-accumulation count in `micro_batches`. What remains is the engine's own work: the
-    schedule loop and the instructions' Python (LoadMicroBatch, ForwardPass, BackwardPass per micro-batch;
-    ReduceTiedGrads, ReduceGrads, OptimizerStep, loss aggregation per step)."""
+    """In a fresh process (world size 1): time `train_batch` of one-stage DeepSpeed PipelineEngines over
+    `num_layers` trivially cheap layers (Linear 4 -> 4 on 2 x 4 inputs, MSE loss, AdamW as in training), one
+    engine per gradient-accumulation count in `micro_batches`, in rounds over the engines (a burst of load
+    slows one round, which the median drops). What remains is the engine's own work: the schedule loop and
+    its instructions' Python (LoadMicroBatch, ForwardPass, BackwardPass per micro-batch; ReduceTiedGrads,
+    ReduceGrads, OptimizerStep, loss aggregation per step). The same layers' plain forward + backward +
+    loss and their plain optimizer step (clip, AdamW, zero_grad) are timed too, to be subtracted: the
+    layer profile already holds that work for the real layers."""
     import os
     import socket
 
@@ -402,34 +405,52 @@ def _engine_worker(num_layers: int, micro_batches: Sequence[int], reps: int, war
         while True:
             yield x, y
 
-    out: Dict[str, Any] = {}
+    engines = {}
     for b in micro_batches:
         model = PipelineModule(layers=[nn.Linear(4, 4) for _ in range(num_layers)], num_stages=1,
                                loss_fn=nn.functional.mse_loss, partition_method="uniform")
         cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": int(b), "train_batch_size": 2 * int(b),
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
                "steps_per_print": 10 ** 9}
-        engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,
-                                               model_parameters=[p for p in model.parameters()])
-        it = data()
-        times = []
-        for r in range(warmup + reps):
+        engines[int(b)] = deepspeed.initialize(model=model, config=cfg,
+                                               model_parameters=[p for p in model.parameters()])[0]
+    plain = nn.Sequential(*[nn.Linear(4, 4) for _ in range(num_layers)])
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    its = {b: data() for b in engines}
+    times: Dict[int, List[float]] = {b: [] for b in engines}
+    fb, upd = [], []
+    for r in range(warmup + reps):
+        for b, engine in engines.items():
             t0 = time.perf_counter()
-            engine.train_batch(data_iter=it)
+            engine.train_batch(data_iter=its[b])
             if r >= warmup:
-                times.append(time.perf_counter() - t0)
-        out[str(b)] = float(statistics.median(times))
-    return out
+                times[b].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        nn.functional.mse_loss(plain(x), y).backward()
+        t1 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        if r >= warmup:
+            fb.append(t1 - t0)
+            upd.append(t2 - t1)
+    return {"times": {str(b): float(statistics.median(v)) for b, v in times.items()},
+            "plain_fwd_bwd": float(statistics.median(fb)), "plain_update": float(statistics.median(upd))}
 
 
-def engine_overhead(num_layers: int, micro_batches: Sequence[int] = ENGINE_MICRO_BATCHES, reps: int = 7,
-                    warmup: int = 3, timeout: float = 600.0) -> Optional[Dict[str, float]]:
-    """DeepSpeed PipelineEngine's fixed cost on this device: {"instruction": seconds of one pipeline
-    instruction's engine work (the per-micro-batch slope of a one-stage engine / its 3 instructions),
-    "step": seconds per step outside the micro-batches (the intercept), "micro_batch_slope", "times"}.
+def engine_overhead(num_layers: int, micro_batches: Sequence[int] = ENGINE_MICRO_BATCHES, reps: int = 9,
+                    warmup: int = 3, timeout: float = 900.0) -> Optional[Dict[str, Any]]:
+    """DeepSpeed PipelineEngine's own work on this device, beyond what the layer profile measures:
+    {"micro_batch": seconds per micro-batch (least-squares slope of a one-stage engine's step time over the
+    micro-batch count, minus the cheap layers' plain forward + backward + loss), "step": seconds per step
+    outside the micro-batches (the intercept, minus their plain optimizer step), "times", ...}.
 
-    Measured in a child process (DeepSpeed needs its own world; the child shares this process's CPU quota
-    and cores). None when DeepSpeed is unavailable or the run fails."""
+    The slope is the schedule loop plus the LoadMicroBatch, ForwardPass and BackwardPass instructions'
+    Python; a pipeline stage also runs send/recv instructions, whose work is gloo's (the profile's `p2p`)
+    plus a thin wrapper, so the per-micro-batch work is charged once per stage. Measured in a child process
+    (DeepSpeed needs its own world; the child shares this process's CPU quota and cores). None when
+    DeepSpeed is unavailable or the run fails."""
     import json as _json
     import subprocess
     import sys
@@ -443,12 +464,14 @@ def engine_overhead(num_layers: int, micro_batches: Sequence[int] = ENGINE_MICRO
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode != 0 or not lines:
         return None
-    times = {int(k): v for k, v in _json.loads(lines[-1]).items()}
+    res = _json.loads(lines[-1])
+    times = {int(k): v for k, v in res["times"].items()}
     bs = sorted(times)
     slope, icpt = np.polyfit(np.array(bs, dtype=float), np.array([times[b] for b in bs]), 1)
-    slope = max(float(slope), 0.0)
-    return {"instruction": slope / 3.0, "step": max(float(times[bs[0]] - slope * bs[0]), 0.0),
-            "micro_batch_slope": slope, "times": {str(b): times[b] for b in bs}}
+    return {"micro_batch": max(float(slope) - res["plain_fwd_bwd"], 0.0),
+            "step": max(float(icpt) - res["plain_update"], 0.0),
+            "slope": float(slope), "intercept": float(icpt), "times": {str(b): times[b] for b in bs},
+            "plain_fwd_bwd": res["plain_fwd_bwd"], "plain_update": res["plain_update"], "layers": num_layers}
 
 
 if __name__ == "__main__":  # child of engine_overhead

@@ -27,15 +27,17 @@ def test_hand_computation_1f1b():
     # compute on the slowest device (speed 0.5 relative to the fastest)
     assert s0.compute == pytest.approx((1 + 2) / 0.5)
     assert s1.compute == pytest.approx(3 / 0.5)
-    # activation of layer 1 (4 bytes) to the next stage, fwd + bwd, worst replica pair: a->b intra, c->d intra
-    assert s0.comm == pytest.approx(2 * (0.01 + 4 / 100))
-    assert s1.comm == 0
+    # activation of layer 1 (4 bytes) to the next stage, one way, worst replica pair: a->b intra, c->d intra;
+    # no send/recv work profiled (comm)
+    assert s0.link == pytest.approx(0.01 + 4 / 100)
+    assert s1.link == 0 and s0.comm == 0 and s1.comm == 0
     # ring all-reduce over 2 devices across hosts: 2(w-1) * lat + 2(w-1)/w * bytes / bw; both groups cross
     # h0-h1, so each gets half the inter-host bandwidth
     assert s0.reduce == pytest.approx(2 * 0.1 + 1.0 * 30 / 5.0)
     assert s1.reduce == pytest.approx(2 * 0.1 + 1.0 * 30 / 5.0)
-    t0, t1 = s0.compute + s0.comm, s1.compute
-    assert cb.pipeline_time == pytest.approx(3 * max(t0, t1) + t0 + t1)
+    t0, t1 = s0.compute, s1.compute
+    # the link overlaps the devices' work: in the fill and drain only (it is faster than both stages)
+    assert cb.pipeline_time == pytest.approx(3 * max(t0, t1) + t0 + t1 + 2 * s0.link)
     assert cb.step_time == pytest.approx(cb.pipeline_time + max(s0.reduce, s1.reduce))
     # memory: 4 x params + in-flight micro-batches x saved bytes (1F1B: stage 0 holds 2, stage 1 holds 1)
     assert s0.memory == pytest.approx(4 * 30 + 2 * 5)
@@ -69,26 +71,35 @@ def test_messages_are_paid_per_micro_batch_on_both_sides_of_a_boundary():
     assert [c.comm - b.comm for c, b in zip(cb.stages, base.stages)] == pytest.approx([0.25, (0.25 + 0.5) / 0.5, 0.5])
 
 
-def test_engine_work_per_instruction_and_per_step_on_the_stage_device():
+def test_a_link_slower_than_every_stage_is_the_bottleneck():
+    cluster, prof = _setup()
+    slow = Cluster.from_dict({**cluster.to_dict(), "links": {"intra_host": {"bandwidth": 0.1, "latency": 0.0},
+                                                              "inter_host": {"bandwidth": 0.1, "latency": 0.0}}})
+    cb = evaluate(prof, slow, [0, 2, 3], [[0, 2], [1, 3]], micro_batches=4)
+    x = 4 / 0.1  # layer 1's 4 bytes at 0.1 B/s, one way
+    assert cb.stages[0].link == pytest.approx(x) and x > max(st.time for st in cb.stages)
+    assert cb.bottleneck == pytest.approx(x)
+    assert cb.pipeline_time == pytest.approx(3 * x + sum(st.time for st in cb.stages) + 2 * x)
+
+
+def test_engine_work_per_micro_batch_and_per_step_on_the_stage_device():
     _, prof = _setup()
     cluster = Cluster.from_dict({"devices": [{"name": n, "host": "h", "throughput": t}
                                               for n, t in (("a", 2.0), ("b", 1.0), ("c", 2.0))]})
     base = evaluate(prof, cluster, [0, 1, 2, 3], [[0], [1], [2]], 4)
-    prof.engine = {"instruction": 0.1, "step": 0.4}
+    prof.engine = {"micro_batch": 0.1, "step": 0.4}
     cb = evaluate(prof, cluster, [0, 1, 2, 3], [[0], [1], [2]], 4)
-    # first stage: load, fwd, bwd, send act, recv grad (5); middle (speed 0.5): recv/send both ways, no
-    # load (6); last: load, recv act, fwd, bwd, send grad (5)
-    assert [c.time - b.time for c, b in zip(cb.stages, base.stages)] == pytest.approx([0.5, 6 * 0.1 / 0.5, 0.5])
-    assert [c.engine for c in cb.stages] == pytest.approx([0.5, 1.2, 0.5])
+    # every stage pays it per micro-batch on its own device (the middle one has speed 0.5)
+    assert [c.time - b.time for c, b in zip(cb.stages, base.stages)] == pytest.approx([0.1, 0.2, 0.1])
+    assert [c.engine for c in cb.stages] == pytest.approx([0.1, 0.2, 0.1])
     assert [c.update - b.update for c, b in zip(cb.stages, base.stages)] == pytest.approx([0.4, 0.8, 0.4])
-    times = [c.time for c in cb.stages]
-    assert cb.step_time == pytest.approx(3 * max(times) + sum(times) + cb.tail_time)
-    # a one-stage pipeline: load, fwd, bwd
+    times, links = [c.time for c in cb.stages], [c.link for c in cb.stages]
+    assert cb.step_time == pytest.approx(3 * max(times + links) + sum(times) + 2 * sum(links) + cb.tail_time)
     one = evaluate(prof, cluster, [0, 3], [[0, 1, 2]], 4)
-    assert one.stages[0].engine == pytest.approx(3 * 0.1 / 0.5)
+    assert one.stages[0].engine == pytest.approx(0.1 / 0.5)
     # it survives a save / load and scales with the device
     assert Profile.from_dict(prof.to_dict()).engine == prof.engine
-    assert prof.scaled(2.0).engine_instruction == pytest.approx(0.05)
+    assert prof.scaled(2.0).engine_micro_batch == pytest.approx(0.05)
 
 
 def test_profile_measures_update_and_loss_without_changing_weights():

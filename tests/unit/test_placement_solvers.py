@@ -42,9 +42,9 @@ def random_instance(seed):
     if seed % 3:  # send/recv work at the boundaries, paid by the stages on both sides
         for layer in prof.layers:
             layer.p2p = float(rng.uniform(0.0, 0.5)) * layer.fwd_bwd
-    if seed % 5 in (1, 3):  # DeepSpeed's per-instruction and per-step work: per-stage constants
+    if seed % 5 in (1, 3):  # DeepSpeed's per-micro-batch and per-step work: per-stage constants
         mean = float(np.mean([l.fwd_bwd for l in prof.layers]))
-        prof.engine = {"instruction": float(rng.uniform(0.0, 0.3)) * mean, "step": float(rng.uniform(0.0, 2.0)) * mean}
+        prof.engine = {"micro_batch": float(rng.uniform(0.0, 1.0)) * mean, "step": float(rng.uniform(0.0, 2.0)) * mean}
     return prof, cluster, stages, int(rng.integers(1, 9))
 
 
@@ -85,7 +85,7 @@ def test_differentiable_feasible_and_not_better_than_dp(seed):
     prof = Profile.synthetic(16, seed=seed, heavy_every=5)
     for layer in prof.layers[::seed]:  # every seed-th layer: parameter update and messages (relaxed terms)
         layer.update, layer.p2p = 2.0 * layer.fwd_bwd, 0.2 * layer.fwd_bwd
-    prof.engine = {"instruction": 0.05 * prof.layers[0].fwd_bwd, "step": 0.5 * prof.layers[0].fwd_bwd}
+    prof.engine = {"micro_batch": 0.2 * prof.layers[0].fwd_bwd, "step": 0.5 * prof.layers[0].fwd_bwd}
     cluster = synthetic_cluster(8, per_host=4, generations=(1.0, 0.5))
     dp = solve("dp", prof, cluster, 4, 8)
     diff = solve("differentiable", prof, cluster, 4, 8, steps=40)

@@ -165,20 +165,19 @@ def _optimise_inner(profile, cluster, w, micro_batches, schedule, aggregator, st
         prm = member @ p
         sav = member @ v
         t = comp[None, :] / speed                                           # (K, S)
-        comm = 2 * (lat[:, :-1] + act[None, :] / bw[:, :-1])
-        t = torch.cat([t[:, :-1] + comm, t[:, -1:]], dim=1)
+        x = lat[:, :-1] + act[None, :] / bw[:, :-1]                         # (K, S-1) link, one way
         msg = torch.nn.functional.pad(near @ m, (1, 1))                    # (S+1,) per cut, 0 at the ends
         t = t + (msg[:-1] + msg[1:])[None, :] / speed                       # send/recv work at both cuts
-        t = t + eng                                                         # engine work per instruction
+        t = t + eng                                                         # engine work per micro-batch
         r = ra + rb * prm[None, :] + (member @ u)[None, :] / speed + tfix      # tail: reduce + update + engine
         smooth = 0.05 * (t.detach().mean() + 1e-12)
-        tmax = smooth * torch.logsumexp(t / smooth, dim=1)
+        tmax = smooth * torch.logsumexp(torch.cat([t, x], dim=1) / smooth, dim=1)  # stages and links
         rs = 0.05 * (r.detach().mean() + 1e-12)
         rmax = rs * torch.logsumexp(r / rs, dim=1) if float(r.detach().abs().max()) > 0 else r.sum(1) * 0
         mem = OPTIMIZER_STATE_FACTOR * prm[None, :] + infl * sav[None, :]
         finite = torch.isfinite(cap)
         over = torch.where(finite, torch.relu(mem / torch.where(finite, cap, torch.ones_like(cap)) - 1), 0 * mem)
-        cost = b1 * tmax + t.sum(1) + rmax + 10.0 * (over ** 2).sum(1) * (t.sum(1).detach() + 1)
+        cost = b1 * tmax + t.sum(1) + 2 * x.sum(1) + rmax + 10.0 * (over ** 2).sum(1) * (t.sum(1).detach() + 1)
         g = -torch.log(-torch.log(torch.rand(len(chains), generator=gen, dtype=torch.float64) * (1 - 2e-9) + 1e-9))
         pi = torch.softmax((phi + g) / temp, 0)
         loss = (pi * cost).sum()

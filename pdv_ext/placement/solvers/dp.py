@@ -12,11 +12,12 @@ Search space (the optimum is exact over exactly this set, for the cost model in 
              stages share hosts: cheap activations, reductions over the inter-host link);
 * every split of the L layers into S contiguous non-empty ranges, stage s on chain group s.
 
-Objective: step = (B-1) * max_s t_s + sum_s t_s + max_s r_s (see cost.py), memory-feasible only, where
-r_s is the stage's tail after the pipeline drains (gradient reduction + parameter update).
+Objective: step = (B-1) * max_s q_s + sum_s v_s + max_s r_s (see cost.py), memory-feasible only, where
+q_s = max(t_s, x_s) (the stage's device time per micro-batch and its outgoing link's transfer), v_s =
+t_s + 2 x_s and r_s is the stage's tail after the pipeline drains (gradient reduction + parameter update).
 
-Algorithm, for one chain: t_s(k, l) and r_s(k, l) are prefix-sum expressions, so
-G(M, R) = min sum_s t_s subject to t_s <= M, r_s <= R is an O(S * L * band) DP vectorised with numpy,
+Algorithm, for one chain: q_s(k, l), v_s(k, l) and r_s(k, l) are prefix-sum expressions, so
+G(M, R) = min sum_s v_s subject to q_s <= M, r_s <= R is an O(S * L * band) DP vectorised with numpy,
 where band = the longest layer range whose compute fits M. F(M) = min_R R + G(M, R) is found by walking
 R down through the breakpoints (the solution's own max r, then just below it) until the sum alone
 exceeds the best; the outer walk does the same over M, starting from the minimal feasible bottleneck M*
@@ -78,11 +79,11 @@ class ChainDP:
         self.sp = sp
         act = np.concatenate([z, arr["act_bytes"]])  # act[l] = output bytes of layer l-1 (boundary l)
         msg = np.concatenate([z, arr["p2p"]])
-        # per boundary l: link transfer + the stage's send/recv work at its output (comm) / its input (msg_in);
-        # the engine's per-instruction work is a per-stage constant, carried in comm
+        # per boundary l: the stage's send/recv work at its output (comm) / its input (msg_in), and its
+        # outgoing link's transfer (link); the engine's per-micro-batch work is a per-stage constant, in comm
         zero = np.zeros(self.L + 1)
-        self.comm = [zero + (sp.comm(s, act) if s < self.S - 1 else 0.0) + sp.messages(s, 0.0, msg)
-                     + sp.overhead[s] for s in range(self.S)]
+        self.comm = [zero + sp.messages(s, 0.0, msg) + sp.overhead[s] for s in range(self.S)]
+        self.link = [zero + (sp.link(s, act) if s < self.S - 1 else 0.0) for s in range(self.S)]
         self.msg_in = [zero + sp.messages(s, msg, 0.0) for s in range(self.S)]
         self.vmax = float(sp.speed.max())
         self._bands: Dict[int, Any] = {}
@@ -119,7 +120,8 @@ class ChainDP:
         return got
 
     def _stage_terms(self, s: int, band: int):
-        """For stage s: end indices l, candidate starts K (l x band), valid (incl. memory) mask, t, r."""
+        """For stage s: end indices l, candidate starts K (l x band), valid (incl. memory) mask, q (capped by
+        the bottleneck), v (summed), r."""
         key = (s, band)
         got = self._terms.get(key)
         if got is not None:
@@ -133,11 +135,13 @@ class ChainDP:
         valid = (K >= s) & (OPTIMIZER_STATE_FACTOR * dP + sp.inflight[s] * dV <= sp.mem_cap[s])
         Kc = np.maximum(Kc, s)
         t = np.where(valid, dC / sp.speed[s] + self.comm[s][lo:hi + 1][:, None] + self.msg_in[s][Kc], INF)
+        x = self.link[s][lo:hi + 1][:, None]
+        q, v = np.maximum(t, x), t + 2.0 * x
         r = sp.tail(s, dP, dU)
-        got = (l, Kc, valid, t, r)
-        if self._cache_size + t.size * 3 < 3e7:
+        got = (l, Kc, valid, q, v, r)
+        if self._cache_size + t.size * 4 < 3e7:
             self._terms[key] = got
-            self._cache_size += t.size * 3
+            self._cache_size += t.size * 4
         return got
 
     def run(self, m: float = INF, r_cap: float = INF, minmax: bool = False, band: Optional[int] = None):
@@ -148,10 +152,10 @@ class ChainDP:
         choice = []
         rows_cache: Dict[int, np.ndarray] = {}
         for s in range(self.S):
-            l, K, valid, t, r = self._stage_terms(s, band)
-            cand = np.maximum(prev[K], t) if minmax else prev[K] + t
+            l, K, valid, q, v, r = self._stage_terms(s, band)
+            cand = np.maximum(prev[K], q) if minmax else prev[K] + v
             if math.isfinite(m):
-                cand[t > m] = INF
+                cand[q > m] = INF
             if math.isfinite(r_cap):
                 cand[r > r_cap] = INF
             j = cand.argmin(axis=1)
@@ -171,13 +175,15 @@ class ChainDP:
         return float(prev[self.L]), bounds[::-1]
 
     def stats(self, bounds: Sequence[int]) -> Tuple[float, float, float]:
-        """(max t, sum t, max r) of a partition, with the DP's own arithmetic."""
-        ts, rs = [], []
+        """(max q, sum v, max r) of a partition, with the DP's own arithmetic."""
+        qs, vs, rs = [], [], []
         for s in range(self.S):
             k, l = bounds[s], bounds[s + 1]
-            ts.append((self.C[l] - self.C[k]) / self.sp.speed[s] + self.comm[s][l] + self.msg_in[s][k])
+            t = (self.C[l] - self.C[k]) / self.sp.speed[s] + self.comm[s][l] + self.msg_in[s][k]
+            qs.append(max(t, self.link[s][l]))
+            vs.append(t + 2.0 * self.link[s][l])
             rs.append(self.sp.tail(s, self.P[l] - self.P[k], self.U[l] - self.U[k]))
-        return max(ts), float(sum(ts)), max(rs)
+        return max(qs), float(sum(vs)), max(rs)
 
     def min_bottleneck(self):
         """M*: the smallest feasible max stage time (min-max DP, banded by a balanced split's bottleneck)."""
@@ -294,9 +300,9 @@ class ChainDP:
         prev = np.full(self.L + 1, INF)
         prev[0] = 0.0
         for s in range(self.S):
-            l, K, valid, t, r = self._stage_terms(s, band)
+            l, K, valid, q, v, r = self._stage_terms(s, band)
             cand = np.maximum(prev[K], r)
-            cand[t > m] = INF
+            cand[q > m] = INF
             cur = np.full(self.L + 1, INF)
             cur[l] = cand.min(axis=1)
             prev = cur
