@@ -2,14 +2,23 @@
 
 On the emulated cluster (`pdv emulate`: one namespace per device behind its host's bridge, tc-shaped links,
 CPU quotas by device speed; root only) it
-1. profiles the demo GPT's layers on the cluster's reference device (under that device's quota),
-2. plans with the `dp` solver (pdv_ext.placement) from that profile and the cluster YAML,
+0. measures the cluster as launched: `pdv probe` on every emulated device (matmul throughput under each
+   device's quota, link bandwidth/latency per pair); the plan and the predictions use the probed cluster
+   (the YAML's names, hosts and memory; throughputs and links as probed, `cluster_source: probed`), or the
+   YAML when the probe fails (`cluster_source: yaml`, logged),
+1. has every device in turn time the demo GPT's forward + backward under its quota (its speed on the
+   model's own operations, which replaces the probe's matmul throughput: `speed_source: workload`; a
+   0.15-core quota device runs them slower than its matmul rate says), then profiles the layers on the
+   cluster's reference device (under that device's quota), and DeepSpeed's own work per micro-batch and
+   per step there (one-stage engines over trivially cheap layers),
+2. plans with the `dp` solver (pdv_ext.placement) from that profile and the cluster,
 3. trains the same model with (a) DeepSpeed's default `parameters` partition + row-major placement and
    (b) the plan, alternating (a), (b) `--repeats` times in the same run, each reporting the median step time,
 4. predicts both step times with the placement cost model (on the parts/mapping the runs really used).
 
-Planning and predictions use the cluster as emulated: where the kernel has no sch_netem the links carry no
-added latency (`pdv emulate` says so), so their latencies are taken as 0 (`latency_emulated: false`).
+With the YAML fallback, planning and predictions use the cluster as emulated: where the kernel has no
+sch_netem the links carry no added latency (`pdv emulate` says so), so their latencies are taken as 0
+(`latency_emulated: false`); the probe measures whatever latency there is.
 
 Output: {"default_ms", "planned_ms", "speedup", "predicted_default_ms", "predicted_planned_ms",
 "prediction_error"} (|predicted - measured| / measured, the worse of the two) plus what was compared.
@@ -26,6 +35,7 @@ from .common import emit, log, median, parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_CLUSTER = os.path.join(ROOT, "launch", "clusters", "emulated_4dev.yaml")
+ARTIFACTS = os.path.join(ROOT, "build", "bench-placement")
 
 
 def _args(argv):
@@ -41,6 +51,9 @@ def _args(argv):
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=600.0, help="per emulated run")
+    ap.add_argument("--no-probe", action="store_true", help="plan and predict on the YAML, not a probed cluster")
+    ap.add_argument("--matmul-speeds", action="store_true",
+                    help="device speeds from the probe's matmul, not from timing the model on every device")
     a = ap.parse_args(argv)
     if a.quick:
         a.repeats, a.steps, a.warmup = 1, 3, 1
@@ -70,6 +83,39 @@ def _without_latency(cluster):
     return Cluster.from_dict(d)
 
 
+def _probed_cluster(yaml_cluster, probed_path: str, reference: int, profile=None):
+    """The YAML's devices (names, hosts, memory: the emulated limits, not the machine's RAM the probe
+    sees) with the probed links and throughputs. When the profile carries every device's time for the
+    model's own forward + backward (`meta.workload_seconds`, measured one device at a time right before
+    profiling), the throughputs are 1 / that time: each device's speed on the model's operations (a
+    CPU-quota device loses more of its share to descheduling on short operations than a long matmul
+    shows); else the probe's matmul throughputs. Speeds are relative to the profiling device
+    (`reference`)."""
+    from ..placement.cluster import Cluster
+
+    probed = Cluster.load(probed_path)
+    if [d.name for d in probed.devices] != [d.name for d in yaml_cluster.devices]:
+        raise ValueError(f"probed devices {[d.name for d in probed.devices]} do not match the YAML's "
+                         f"{[d.name for d in yaml_cluster.devices]}")
+    thr = [float(p.throughput) for p in probed.devices]
+    work = (profile.meta.get("workload_seconds") if profile is not None else None) or None
+    if work is not None and len(work) == len(thr) and all(w and w > 0 for w in work):
+        thr = [1.0 / float(w) for w in work]
+    devices = []
+    for y, t in zip(yaml_cluster.devices, thr):
+        d = {"name": y.name, "host": y.host, "throughput": t}
+        if y.memory is not None:
+            d["memory"] = float(y.memory)
+        devices.append(d)
+    links = probed.to_dict()["links"]
+    return Cluster.from_dict({"devices": devices, "links": links, "reference_throughput": thr[reference]})
+
+
+def reference_device(cluster) -> int:
+    """The device that profiles (train_step_timer profile): the one whose YAML speed is closest to 1."""
+    return min(range(len(cluster)), key=lambda i: abs(cluster.speed(i) - 1.0))
+
+
 def main(argv=None) -> int:
     a = _args(sys.argv[1:] if argv is None else argv)
     from ..emulate.launcher import EmulationUnavailable, check_available
@@ -95,12 +141,39 @@ def main(argv=None) -> int:
     timer = [sys.executable, "-m", "pdv_ext.emulate.train_step_timer"]
     with tempfile.TemporaryDirectory(prefix="pdv-bench-placement-") as tmp:
         prof_path, plan_path = os.path.join(tmp, "profile.json"), os.path.join(tmp, "plan.json")
+        yaml_cluster, source, probed = cluster, "yaml", None
+        if not a.no_probe:
+            probed_path = os.path.join(tmp, "probed.yaml")
+            log(f"probing the emulated cluster {a.cluster} (pdv probe)")
+            try:
+                _emulate(spec, [sys.executable, "-m", "pdv_ext.cli", "probe", "--out", probed_path,
+                                "--sizes", "2097152", "4194304", "8388608", "--reps", "3", "--matmul-size", "1024"],
+                         a.timeout)
+                cluster, source = _probed_cluster(yaml_cluster, probed_path, reference_device(yaml_cluster)), "probed"
+                probed = [round(cluster.speed(i), 3) for i in range(len(cluster))]
+                log(f"probed speeds {probed} (YAML {[round(yaml_cluster.speed(i), 3) for i in range(len(cluster))]}), "
+                    f"intra-host {cluster.spec.links.intra_host.bandwidth * 8 / 1e6:.0f} Mbit/s, inter-host "
+                    f"{cluster.spec.links.inter_host.bandwidth * 8 / 1e6:.0f} Mbit/s")
+            except Exception as exc:  # noqa: BLE001 - any failure: fall back to the YAML, loudly
+                log(f"pdv probe failed ({exc}); FALLING BACK to the cluster YAML as written (cluster_source: yaml)")
+                cluster, source = yaml_cluster, "yaml"
         log(f"profiling the demo GPT on the reference device of {a.cluster}")
-        latency_emulated = _emulate(spec, timer + ["profile", "--cluster", a.cluster, "--out", prof_path] + model,
-                                    a.timeout)
-        if not latency_emulated:
+        latency_emulated = _emulate(spec, timer + ["profile", "--cluster", a.cluster, "--out", prof_path,
+                                                    "--workload-speeds"] + model, a.timeout)
+        if not latency_emulated and source == "yaml":
             cluster = _without_latency(cluster)
         profile = Profile.load(prof_path)
+        log(f"engine work on the reference device: {profile.engine}")
+        speed_source = "matmul (probe)" if source == "probed" else "yaml"
+        if source == "probed" and profile.meta.get("workload_seconds") and not a.matmul_speeds:
+            cluster = _probed_cluster(yaml_cluster, probed_path, reference_device(yaml_cluster), profile)
+            speed_source = "workload"
+            log(f"device speeds on the model's forward + backward "
+                f"({[round(w * 1e3, 1) for w in profile.meta['workload_seconds']]} ms): "
+                f"{[round(cluster.speed(i), 3) for i in range(len(cluster))]}")
+        os.makedirs(ARTIFACTS, exist_ok=True)  # what the predictions were made from, for inspection
+        profile.save(os.path.join(ARTIFACTS, "profile.json"))
+        cluster.save(os.path.join(ARTIFACTS, "cluster.yaml"))
         plan = solve("dp", profile, cluster, None, a.micro_batches)
         plan.save(plan_path)
         log(f"dp plan: boundaries {plan.boundaries} mapping {plan.rank_mapping} "
@@ -136,6 +209,12 @@ def main(argv=None) -> int:
         "profile_fwd_bwd_ms": round(float(profile.arrays()["fwd_bwd"].sum()) * 1e3, 2),
         "profile_update_ms": round(float(profile.arrays()["update"].sum()) * 1e3, 2),
         "latency_emulated": latency_emulated,
+        "cluster_source": source,
+        "speed_source": speed_source,
+        "speeds": [round(cluster.speed(i), 3) for i in range(len(cluster))],
+        "probe_matmul_speeds": probed,
+        "engine_micro_batch_ms": round(profile.engine_micro_batch * 1e3, 3),
+        "engine_step_ms": round(profile.engine_step * 1e3, 3),
         "cluster": os.path.relpath(a.cluster, ROOT) if a.cluster.startswith(ROOT) else a.cluster,
         "micro_batches": a.micro_batches, "steps": a.steps, "repeats": a.repeats,
     }

@@ -8,8 +8,10 @@ goes through `pdv_ext.initialize`; with `--plan` the `"pdv": {"placement": {"pla
 and re-maps it. Each step starts after a barrier; a step's time is the slowest rank's; rank 0 writes the
 median (and the parts/mapping actually used) to `--out` and prints `median_step_ms`.
 `profile`: only the cluster's reference device (the fastest, unless `reference_throughput` says otherwise)
-profiles the layers (with the loss on the last, and each layer's AdamW update) under its own CPU quota,
-so the profile's times are that device's times.
+profiles the layers (with the loss on the last, and each layer's AdamW update) and DeepSpeed's own work per
+micro-batch and step (`engine_overhead`) under its own CPU quota, so the profile's times are that device's
+times. With `--workload-speeds` every rank first times the whole model's forward + backward, one rank at a
+time (`meta.workload_seconds`: each device's speed on the model's own operations).
 """
 from __future__ import annotations
 
@@ -37,24 +39,71 @@ def _args(argv):
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=7, help="profile repetitions per layer")
+    ap.add_argument("--workload-speeds", action="store_true",
+                    help="profile mode: every rank also times the model's forward + backward (device speeds)")
+    ap.add_argument("--workload-reps", type=int, default=5)
     return ap.parse_args(argv)
+
+
+def _workload_seconds(a, ids, labels):
+    """Every rank in turn (the others wait at a barrier) times the model's own work - forward + backward of
+    all its layers and the loss on one micro-batch, median of `--workload-reps` - under its own CPU quota;
+    returns the list over ranks. A device's speed on the model's operations: a CPU-quota device that
+    loses more than its share to descheduling (cold caches after every throttle) shows it here, which a
+    long matmul does not."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from ..models import gpt_layers, lm_loss
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mods = [spec.build() for spec in gpt_layers(a.layers, a.hidden, a.heads, a.seq_len)]
+        mine = 0.0
+        for r in range(world):
+            if r == rank:
+                times = []
+                for i in range(1 + a.workload_reps):
+                    t0 = time.perf_counter()
+                    x = ids
+                    for m in mods:
+                        x = m(x)
+                    lm_loss(x, labels).backward()
+                    for m in mods:
+                        m.zero_grad(set_to_none=True)
+                    if i:
+                        times.append(time.perf_counter() - t0)
+                mine = statistics.median(times)
+            dist.barrier()
+        out = [None] * world
+        dist.all_gather_object(out, mine)
+        return [float(v) for v in out]
+    finally:
+        dist.destroy_process_group()
 
 
 def profile(a) -> int:
     from ..placement.cluster import Cluster
-    from ..placement.profile import profile_layers
+    from ..placement.profile import engine_overhead, profile_layers
     from ..models import gpt_layers, lm_loss
     import torch
 
     cluster = Cluster.load(a.cluster)
     rank = int(os.environ.get("RANK", "0"))
     ref = min(range(len(cluster)), key=lambda i: abs(cluster.speed(i) - 1.0))
-    if rank != ref:
-        return 0
     torch.manual_seed(0)
     ids, labels = (torch.randint(0, 256, (a.micro_batch, a.seq_len)) for _ in range(2))
+    workload = _workload_seconds(a, ids, labels) if a.workload_speeds else None
+    if rank != ref:
+        return 0
     prof = profile_layers(gpt_layers(a.layers, a.hidden, a.heads, a.seq_len), ids, reps=a.reps, warmup=2,
                           loss_fn=lm_loss, labels=labels)
+    # DeepSpeed's own work per micro-batch / per step on this device (a child process in this quota)
+    prof.engine = engine_overhead(len(prof))
+    if workload is not None:
+        prof.meta["workload_seconds"] = workload
     prof.meta.update({"device_name": os.environ.get("PDV_DEVICE_NAME"), "rank": rank,
                       "cores": os.environ.get("PDV_DEVICE_CORES")})
     prof.save(a.out)

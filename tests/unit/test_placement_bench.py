@@ -16,3 +16,37 @@ def test_cluster_without_latency_keeps_devices_and_bandwidths():
                 assert flat.link(a, b).latency == 0.0
                 assert flat.link(a, b).bandwidth == cluster.link(a, b).bandwidth
     assert cluster.link(0, 3).latency > 0  # the original is untouched
+
+
+PROBED = """
+devices:
+- {name: fast0, host: hostA, throughput: 3.0e10, memory: 1.2e10}
+- {name: fast1, host: hostA, throughput: 3.3e10, memory: 1.2e10}
+- {name: slow0, host: hostB, throughput: 1.8e10, memory: 1.2e10}
+- {name: slow1, host: hostB, throughput: 6.0e9, memory: 1.2e10}
+links:
+  intra_host: {bandwidth: 1.1e8, latency: 6.0e-05}
+  inter_host: {bandwidth: 1.24e7, latency: 0.0}
+  pairs: []
+"""
+
+
+def test_probed_cluster_keeps_names_hosts_memory_and_takes_measured_speeds_and_links(tmp_path):
+    from pdv_ext.bench.placement import _probed_cluster, reference_device
+    from pdv_ext.placement.profile import LayerProfile, Profile
+
+    path = tmp_path / "probed.yaml"
+    path.write_text(PROBED)
+    yaml_cluster = Cluster.load(DEFAULT_CLUSTER)
+    ref = reference_device(yaml_cluster)
+    assert ref == 0
+    c = _probed_cluster(yaml_cluster, str(path), ref)
+    assert [d.name for d in c.devices] == [d.name for d in yaml_cluster.devices]
+    assert [c.memory(i) for i in range(4)] == [yaml_cluster.memory(i) for i in range(4)]  # emulated limits
+    assert [round(c.speed(i), 3) for i in range(4)] == [1.0, 1.1, 0.6, 0.2]  # matmul, relative to the profiler
+    assert c.link(0, 3).bandwidth == 1.24e7 and c.link(0, 1).latency == 6e-5
+    # every device's time for the model's forward + backward, when measured, sets the speeds
+    prof = Profile([LayerProfile("l", 1.0, 1.0, 1.0)], meta={"workload_seconds": [0.1, 0.125, 0.2, 0.5]})
+    c = _probed_cluster(yaml_cluster, str(path), ref, prof)
+    assert [round(c.speed(i), 3) for i in range(4)] == [1.0, 0.8, 0.5, 0.2]
+    assert c.link(0, 3).bandwidth == 1.24e7
