@@ -148,3 +148,14 @@ def test_bad_boundaries():
         evaluate(prof, cluster, [0, 3, 3], [[0, 2], [1, 3]], 1)
     with pytest.raises(ValueError):
         evaluate(prof, cluster, [0, 2], [[0, 2], [1, 3]], 1)
+
+
+def test_engine_overhead_measures_a_one_stage_engine():
+    pytest.importorskip("deepspeed")
+    from pdv_ext.placement.profile import engine_overhead
+
+    eng = engine_overhead(2, micro_batches=(1, 3), reps=2, warmup=1, timeout=300)
+    assert eng is not None, "the one-stage DeepSpeed engine did not run"
+    assert set(eng["times"]) == {"1", "3"} and eng["layers"] == 2
+    assert eng["micro_batch"] >= 0 and eng["step"] >= 0 and eng["slope"] > 0
+    assert eng["micro_batch"] == pytest.approx(max(eng["slope"] - eng["plain_fwd_bwd"], 0.0))
