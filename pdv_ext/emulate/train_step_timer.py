@@ -41,19 +41,18 @@ def _args(argv):
     ap.add_argument("--reps", type=int, default=7, help="profile repetitions per layer")
     ap.add_argument("--workload-speeds", action="store_true",
                     help="profile mode: every rank also times the model's forward + backward (device speeds)")
-    ap.add_argument("--workload-reps", type=int, default=5)
+    ap.add_argument("--workload-reps", type=int, default=7)
     return ap.parse_args(argv)
 
 
 def _workload_seconds(a, ids, labels):
     """Every rank in turn (the others wait at a barrier) times the model's own work - forward + backward of
-    all its layers and the loss on one micro-batch, median of `--workload-reps` - under its own CPU quota;
+    all its layers and the loss on one micro-batch, median of `--workload-reps` rounds - under its own CPU quota;
     returns the list over ranks. A device's speed on the model's operations: a CPU-quota device that
     loses more than its share to descheduling (cold caches after every throttle) shows it here, which a
     long matmul does not."""
     import datetime
 
-    import torch
     import torch.distributed as dist
     from ..models import gpt_layers, lm_loss
 
@@ -61,11 +60,12 @@ def _workload_seconds(a, ids, labels):
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         mods = [spec.build() for spec in gpt_layers(a.layers, a.hidden, a.heads, a.seq_len)]
-        mine = 0.0
-        for r in range(world):
-            if r == rank:
-                times = []
-                for i in range(1 + a.workload_reps):
+        times = []
+        # in rounds (every rank once per round, the others waiting): a burst of load on the shared
+        # machine then touches every device's samples alike instead of one device's whole block
+        for i in range(1 + a.workload_reps):
+            for r in range(world):
+                if r == rank:
                     t0 = time.perf_counter()
                     x = ids
                     for m in mods:
@@ -75,8 +75,8 @@ def _workload_seconds(a, ids, labels):
                         m.zero_grad(set_to_none=True)
                     if i:
                         times.append(time.perf_counter() - t0)
-                mine = statistics.median(times)
-            dist.barrier()
+                dist.barrier()
+        mine = statistics.median(times)
         out = [None] * world
         dist.all_gather_object(out, mine)
         return [float(v) for v in out]
