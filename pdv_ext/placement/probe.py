@@ -1,7 +1,7 @@
 """`pdv probe --out cluster.yaml`: measure the launched ranks and write a cluster YAML.
 
 Run under a launcher (torchrun, deepspeed, `pdv emulate`, ...): reads RANK / WORLD_SIZE / MASTER_ADDR /
-MASTER_PORT. Each rank in turn (the others wait) measures its matmul throughput; then every pair of ranks, one pair at a time (the
+MASTER_PORT. Each rank in turn (the others wait), in several rounds, measures its matmul throughput; then every pair of ranks, one pair at a time (the
 others wait), ping-pongs messages of several sizes over torch.distributed (gloo on CPU) send/recv. For
 each size the median round trip of `--reps` repetitions is halved, and latency + size / bandwidth is fitted
 by least squares on relative error; the bandwidth comes mostly from the large messages (default up to
@@ -77,12 +77,15 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 5, matmul_size: in
     rank, world = dist.get_rank(), dist.get_world_size()
     name = os.environ.get("PDV_DEVICE_NAME") or f"rank{rank}"
     host = os.environ.get("PDV_HOST") or socket.gethostname()
-    # one rank at a time: concurrent matmuls would share the host's cores and measure contention
-    flops = 0.0
-    for r in range(world):
-        if r == rank:
-            flops = matmul_throughput(matmul_size, reps=max(3, reps), min_sample_s=0.1)
-        dist.barrier()
+    # one rank at a time (concurrent matmuls would share the host's cores and measure contention), in
+    # rounds: a burst of outside load then touches every device's samples alike, not one device's block
+    samples: List[float] = []
+    for _ in range(max(5, reps)):
+        for r in range(world):
+            if r == rank:
+                samples.append(matmul_throughput(matmul_size, reps=1, min_sample_s=0.1))
+            dist.barrier()
+    flops = statistics.median(samples)
     try:
         import psutil
 
