@@ -55,28 +55,25 @@ def _workload_seconds(a, ids, labels):
 
     import torch.distributed as dist
     from ..models import gpt_layers, lm_loss
+    from ..placement.probe import in_turns
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     try:
-        rank, world = dist.get_rank(), dist.get_world_size()
+        world = dist.get_world_size()
         mods = [spec.build() for spec in gpt_layers(a.layers, a.hidden, a.heads, a.seq_len)]
-        times = []
-        # in rounds (every rank once per round, the others waiting): a burst of load on the shared
-        # machine then touches every device's samples alike instead of one device's whole block
-        for i in range(1 + a.workload_reps):
-            for r in range(world):
-                if r == rank:
-                    t0 = time.perf_counter()
-                    x = ids
-                    for m in mods:
-                        x = m(x)
-                    lm_loss(x, labels).backward()
-                    for m in mods:
-                        m.zero_grad(set_to_none=True)
-                    if i:
-                        times.append(time.perf_counter() - t0)
-                dist.barrier()
-        mine = statistics.median(times)
+
+        def once() -> float:
+            t0 = time.perf_counter()
+            x = ids
+            for m in mods:
+                x = m(x)
+            lm_loss(x, labels).backward()
+            for m in mods:
+                m.zero_grad(set_to_none=True)
+            return time.perf_counter() - t0
+
+        once()  # warm-up
+        mine = statistics.median(in_turns(once, a.workload_reps))
         out = [None] * world
         dist.all_gather_object(out, mine)
         return [float(v) for v in out]

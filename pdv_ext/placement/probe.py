@@ -17,7 +17,7 @@ import socket
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -67,6 +67,22 @@ def _pingpong(peer: int, me_first: bool, size: int, reps: int) -> List[float]:
     return out
 
 
+def in_turns(sample: Callable[[], float], rounds: int) -> List[float]:
+    """This rank's `rounds` values of `sample()`, taken one rank at a time (the others wait at a barrier:
+    concurrent work would share the host's cores and measure contention) and in rounds (a burst of
+    outside load then touches every rank's samples alike, not one rank's whole block). Collective."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: List[float] = []
+    for _ in range(rounds):
+        for r in range(world):
+            if r == rank:
+                out.append(sample())
+            dist.barrier()
+    return out
+
+
 def measure(sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 5, matmul_size: int = 512,
             progress: bool = True) -> Optional[Dict]:
     """Collective over the launched ranks; returns the cluster dict on rank 0 (None elsewhere)."""
@@ -77,15 +93,8 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 5, matmul_size: in
     rank, world = dist.get_rank(), dist.get_world_size()
     name = os.environ.get("PDV_DEVICE_NAME") or f"rank{rank}"
     host = os.environ.get("PDV_HOST") or socket.gethostname()
-    # one rank at a time (concurrent matmuls would share the host's cores and measure contention), in
-    # rounds: a burst of outside load then touches every device's samples alike, not one device's block
-    samples: List[float] = []
-    for _ in range(max(5, reps)):
-        for r in range(world):
-            if r == rank:
-                samples.append(matmul_throughput(matmul_size, reps=1, min_sample_s=0.1))
-            dist.barrier()
-    flops = statistics.median(samples)
+    flops = statistics.median(in_turns(lambda: matmul_throughput(matmul_size, reps=1, min_sample_s=0.1),
+                                       max(5, reps)))
     try:
         import psutil
 
