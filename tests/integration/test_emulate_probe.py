@@ -26,6 +26,18 @@ links:
 """
 
 
+def _steal_ticks():
+    """Clock ticks the hypervisor took from this VM so far (the 8th field of /proc/stat's cpu line)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return int(fields[8]) if len(fields) > 8 else 0
+
+
+def _busy_ticks():
+    with open("/proc/stat") as f:
+        return sum(int(x) for x in f.readline().split()[1:])
+
+
 @pytest.mark.timeout(150)
 def test_probe_recovers_emulated_cluster(tmp_path):
     pytest.importorskip("pdv_ext.placement.probe", reason="pdv probe is not in this build")
@@ -34,7 +46,13 @@ def test_probe_recovers_emulated_cluster(tmp_path):
     src, out = tmp_path / "emulated.yaml", tmp_path / "probed.yaml"
     src.write_text(CLUSTER)
     run = f"pdv-{secrets.token_hex(3)}"
+    steal0, all0 = _steal_ticks(), _busy_ticks()
     p = subprocess.run([sys.executable, "-m", "pdv_ext.cli", "emulate", "--cluster", str(src), "--run-name", run,
+                        # A quota is a ceiling, not a guarantee: on a VM whose host steals CPU time a fast
+                        # device given 0.64 of a core got only ~0.5 while the slow one still got its 0.32, and
+                        # the probe (rightly) measured slow/fast = 0.67 (CI, session 2). 0.4 of a core for the
+                        # fastest device stays deliverable with up to ~60% steal; the ratios are what is tested.
+                        "--top-share", "0.4",
                         "--timeout", "120", "--", sys.executable, "-m", "pdv_ext.cli", "probe", "--out", str(out),
                         # bandwidth-dominated sizes: latency is not emulated without sch_netem, and small
                         # messages to a CPU-throttled rank carry scheduling stalls that skew the fit
@@ -60,4 +78,5 @@ def test_probe_recovers_emulated_cluster(tmp_path):
                 bw_want, bw_got = want.link(i, j).bandwidth, got.link(i, j).bandwidth
                 if abs(bw_got - bw_want) > 0.2 * bw_want:
                     errors.append(f"link {i}->{j} {bw_got * 8 / 1e6:.0f} Mbit/s (emulated {bw_want * 8 / 1e6:.0f})")
-    assert not errors, "; ".join(errors)
+    steal = (_steal_ticks() - steal0) / max(_busy_ticks() - all0, 1)
+    assert not errors, "; ".join(errors) + f" (the VM's steal time during the run: {steal:.0%})"
