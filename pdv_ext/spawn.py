@@ -31,6 +31,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def shutdown_distributed(barrier: bool = True) -> None:
+    """Leave torch.distributed cleanly: a barrier (no rank tears its gloo pairs down while a peer is still
+    finishing the last collective), then destroy every process group while the interpreter is fully alive.
+    Seen without it: a rank aborting with "terminate called without an active exception" (SIGABRT) on its way
+    out, which a launcher reports as a failed run. Never raises: a finished rank must not fail on teardown."""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        if barrier:
+            try:
+                dist.barrier()
+            except Exception:  # a peer already gone: still destroy our side
+                pass
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
 def default_env() -> Dict[str, str]:
     """Environment for CPU ranks: one thread each (ranks share 2 cores), the CPU accelerator, the
     project's JIT-extension cache."""
@@ -168,13 +188,7 @@ def _worker(target: str, tmp: str, rank: str) -> None:
     result = load_object(target)(**kwargs)
     with open(os.path.join(tmp, f"result{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
-    try:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # never fail a finished rank on teardown
-        pass
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

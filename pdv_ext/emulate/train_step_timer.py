@@ -22,6 +22,8 @@ import statistics
 import sys
 import time
 
+from ..spawn import shutdown_distributed
+
 
 def _args(argv):
     ap = argparse.ArgumentParser(prog="train_step_timer")
@@ -78,7 +80,7 @@ def _workload_seconds(a, ids, labels):
         dist.all_gather_object(out, mine)
         return [float(v) for v in out]
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed()
 
 
 def profile(a) -> int:
@@ -165,7 +167,7 @@ def train(a) -> int:
             json.dump(out, f)
         print(f"median_step_ms {out['median_step_ms']:.1f} parts {out['parts']} mapping {out['rank_mapping']} "
               f"cpu used per rank {out['cpu_share']}", flush=True)
-    dist.barrier()
+    shutdown_distributed()
     return 0
 
 

@@ -21,6 +21,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..spawn import shutdown_distributed
+
 DEFAULT_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 23)
 
 
@@ -193,7 +195,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"pdv probe: {len(data['devices'])} devices, intra-host "
                   f"{data['links']['intra_host']['bandwidth'] * 8 / 1e6:.1f} Mbit/s, inter-host "
                   f"{data['links']['inter_host']['bandwidth'] * 8 / 1e6:.1f} Mbit/s -> {args.out}")
-        dist.barrier()
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed()
     return 0
