@@ -117,3 +117,16 @@ def test_gns_batch_size_fits_measured_times():
     a, b = p._fit(16, 2)
     assert a == pytest.approx(0.0, abs=1e-9) and b == pytest.approx(1 / 16)
     assert p.goodput(32, 1e3, a, b) < p.goodput(16, 1e3, a, b)
+
+
+def test_gns_batch_size_does_not_fit_close_batch_sizes():
+    """16 and 26 samples with noisy times (T(26) looks proportional): the prior is used until the
+    measured sizes span fit_span, so the fixed cost is not fitted away."""
+    p = build_policy({"name": "gns_batch_size", "warmup_steps": 0, "interval": 1, "grow": "micro_batch_size"})
+    p.base_batch = 16
+    p.times = {16: 0.0175, 26: 0.0270}
+    a, b = p._fit(26, 1)
+    assert a == pytest.approx(0.5 * 0.0270) and b == pytest.approx(0.5 * 0.0270 / 26)
+    p.times[52] = 0.0400  # now 52 / 16 >= 2: least squares over the three
+    a, b = p._fit(52, 1)
+    assert a == pytest.approx(0.0094, rel=0.05) and b == pytest.approx(6.0e-4, rel=0.05)

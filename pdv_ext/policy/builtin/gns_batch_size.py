@@ -2,11 +2,13 @@
 
 goodput(B) = throughput(B) x efficiency(B), with efficiency(B) = (gns + B0) / (gns + B) (progress per
 sample relative to the start batch B0) and throughput(B) = B / T(B). T(B) = a + b*B is fitted by least
-squares to the step times seen so far (an EMA per batch size); before two sizes were seen, the fixed part
-`a` comes from the pipeline formula ((stages - 1) micro-batch times of bubble) or `prior_overhead` x
-the measured step time, whichever is larger. Every `interval` steps after `warmup_steps`, the policy
-moves to the candidate batch with the best predicted goodput if it beats the current one by `min_gain`.
-Candidates: the micro-batches per step (`grow: micro_batches`) or the micro-batch size
+squares to the step times seen so far (an EMA per batch size) once they span `fit_span` (the largest
+measured batch at least that many times the smallest); before, the fixed part `a` comes from the pipeline
+formula ((stages - 1) micro-batch times of bubble) or `prior_overhead` x the measured step time, whichever
+is larger. (Two sizes close together make the slope noise: at 16 and 26 samples, step times that swing
++-15% on a shared machine fitted T(B) as nearly proportional to B, and growing never looked worth it.)
+Every `interval` steps after `warmup_steps`, the policy moves to the candidate batch with the best
+predicted goodput if it beats the current one by `min_gain`. Candidates: the micro-batches per step (`grow: micro_batches`) or the micro-batch size
 (`grow: micro_batch_size`) up to `max_batch_size` global samples; growing only, unless `allow_shrink`.
 """
 from __future__ import annotations
@@ -42,6 +44,8 @@ class GNSBatchSize(Policy):
         prior_overhead: float = Field(0.5, ge=0.0, lt=1.0)
         #: EMA factor for the per-batch-size step times
         time_ema: float = Field(0.8, ge=0.0, lt=1.0)
+        #: fit T(B) to the measured times only when their batch sizes span this factor (else the prior)
+        fit_span: float = Field(2.0, ge=1.0)
 
     def __init__(self, options: Any = None, **kwargs: Any):
         super().__init__(options, **kwargs)
@@ -59,7 +63,7 @@ class GNSBatchSize(Policy):
     def _fit(self, batch: int, mb: int) -> Tuple[float, float]:
         """(a, b) of T(B) = a + b B."""
         pts = sorted(self.times.items())
-        if len(pts) >= 2:
+        if len(pts) >= 2 and pts[-1][0] >= self.options.fit_span * pts[0][0]:
             n = len(pts)
             mx = sum(p[0] for p in pts) / n
             my = sum(p[1] for p in pts) / n
