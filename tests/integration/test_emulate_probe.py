@@ -1,4 +1,5 @@
-"""`pdv probe` under `pdv emulate` recovers the emulated link bandwidths and device speeds within 20% (root)."""
+"""`pdv probe` under `pdv emulate` recovers the emulated link bandwidths within 20% and the device speeds within
+40% (the CPU emulation's own error, see SPEED_TOL) (root)."""
 import os
 import secrets
 import subprocess
@@ -38,6 +39,9 @@ def _busy_ticks():
         return sum(int(x) for x in f.readline().split()[1:])
 
 
+SPEED_TOL = 0.4
+
+
 @pytest.mark.timeout(150)
 def test_probe_recovers_emulated_cluster(tmp_path):
     pytest.importorskip("pdv_ext.placement.probe", reason="pdv probe is not in this build")
@@ -71,7 +75,12 @@ def test_probe_recovers_emulated_cluster(tmp_path):
     for i in range(n):
         rel_want = want.devices[i].throughput / top_want
         rel_got = got.devices[i].throughput / top_got
-        if abs(rel_got - rel_want) > 0.2 * rel_want:
+        # Links within 20%, device speeds within SPEED_TOL: the emulation itself is less exact for CPU than
+        # for links. Timed in this test's pattern (2026-11-23, 15 interleaved rounds), one 0.1 s matmul
+        # sample swung +-25% (fast devices 22-36 GFLOP/s, the slow one 9-15), and the 0.2-core device
+        # delivered a median 0.42 of the 0.4-core ones, not 0.5: a throttled group also loses FLOP per
+        # CPU-second on this VM (docs/playground.md). Probe results over seven runs: 0.35-0.49.
+        if abs(rel_got - rel_want) > SPEED_TOL * rel_want:
             errors.append(f"device {i} speed {rel_got:.2f} (emulated {rel_want:.2f})")
         for j in range(n):
             if i != j:
