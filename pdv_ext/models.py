@@ -85,6 +85,23 @@ def doc_text() -> bytes:
     return "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
 
 
+class TextWindows:
+    """Every (input, next-byte target) window of a byte string, as an indexable dataset: sample i is bytes
+    [i, i + seq_len] (`fetch(indices)` for a whole batch, what `ElasticBatches` asks of a dataset)."""
+
+    def __init__(self, data: bytes, seq_len: int):
+        self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        self.seq_len = seq_len
+        self.offsets = torch.arange(seq_len + 1)
+
+    def __len__(self) -> int:
+        return len(self.data) - self.seq_len - 1
+
+    def fetch(self, idx: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        rows = self.data[idx[:, None] + self.offsets]
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
 class ByteWindows:
     """Random (input, next-byte target) windows from a byte string, seeded and resumable.
 
@@ -93,16 +110,13 @@ class ByteWindows:
     """
 
     def __init__(self, data: bytes, seq_len: int, micro_batch: int, seed: int = 0):
-        self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        self.windows = TextWindows(data, seq_len)
         self.seq_len, self.micro_batch, self.seed = seq_len, micro_batch, seed
         self.position = 0
 
     def batch(self, index: int, size: int) -> Tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        starts = torch.randint(0, len(self.data) - self.seq_len - 1, (size,), generator=g)
-        idx = starts[:, None] + torch.arange(self.seq_len + 1)
-        chunk = self.data[idx]
-        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+        return self.windows.fetch(torch.randint(0, len(self.windows), (size,), generator=g))
 
     def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         return self

@@ -71,25 +71,6 @@ def _engine(args: Dict[str, Any], mbs: int, lr: float, plugins: Optional[list] =
     return eng
 
 
-class Windows:
-    """Every (input, next-byte target) window of a byte string: sample i is bytes [i, i + L] (L =
-    seq_len), so one epoch of the 90% training text is ~420k windows (the benchmark stays in epoch 0)."""
-
-    def __init__(self, data: bytes, seq_len: int):
-        import torch
-
-        self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-        self.seq_len = seq_len
-        self.offsets = torch.arange(seq_len + 1)
-
-    def __len__(self) -> int:
-        return len(self.data) - self.seq_len - 1
-
-    def fetch(self, idx: Any) -> Any:
-        rows = self.data[idx[:, None] + self.offsets]
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-
-
 def _held_out(eng: Any, x: Any, y: Any) -> float:
     import torch
 
@@ -166,14 +147,14 @@ def rank_main(**args: Any) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from pdv_ext.models import ByteWindows, text_splits
+    from pdv_ext.models import ByteWindows, TextWindows, text_splits
     from pdv_ext.policy.data import ElasticBatches
     from pdv_ext.policy.gns import lr_factor
 
     deepspeed.init_distributed(dist_backend="gloo")
     dp = dist.get_world_size()
     train_text, held_text = text_splits()
-    train = Windows(train_text, args["seq_len"])
+    train = TextWindows(train_text, args["seq_len"])  # every window; the runs stay in epoch 0
     xt, yt = ByteWindows(held_text, args["seq_len"], 1, seed=999).batch(0, args["held_out"])  # fixed windows
     b0 = args["batches"][0]
     out: Dict[str, Any] = {"fixed": []}
