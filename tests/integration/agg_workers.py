@@ -99,12 +99,35 @@ def pipeline_zeno(steps: int = 4, refresh_every: int = 2) -> Dict[str, Any]:
             "validation_calls": calls, "error": error}
 
 
+def gathered_rows() -> Dict[str, Any]:
+    """`TorchComm.all_gather_into` (the ring on gloo) over the world and over a sub-group of 3 ranks
+    (odd, and group ranks that are not global ranks): every row as its rank wrote it."""
+    import torch.distributed as dist
+
+    from pdv_ext.comm import TorchComm
+
+    def rows(comm: TorchComm, shape) -> bool:
+        out = torch.full((comm.size, *shape), float("nan"))
+        out[comm.rank] = torch.arange(float(out[0].numel())).view(shape) + 100 * comm.global_rank(comm.rank)
+        comm.all_gather_into(out)
+        want = torch.stack([torch.arange(float(out[0].numel())).view(shape) + 100 * comm.global_rank(r)
+                            for r in range(comm.size)])
+        return bool(torch.equal(out, want))
+
+    sub = dist.new_group([1, 2, 3])  # collective: every rank creates it
+    res = {"world": rows(TorchComm(), (1000, 3))}
+    if dist.get_rank() in (1, 2, 3):
+        res["sub"] = rows(TorchComm(sub), (7,))
+    return res
+
+
 def gloo_suite(specs: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One process group for every plain-gloo check (start-up is the expensive part): the aggregators
     under an omniscient attacker, then the rank functions of `pdv bench byzantine` and `convergence`."""
     from pdv_ext.bench import byzantine, convergence
 
     out = torch_aggregators(specs, byzantine=1, steps=3)
+    out["rows"] = gathered_rows()
     configs = byzantine.build_configs(["scaled"], [1], ["mean", "zeno"])
     out["byzantine"] = byzantine.rank_main(configs, steps=15, batch=32, lr=0.5, hidden=32)
     out["convergence"] = convergence.rank_main([{"aggregator": "mean", "lr": 1.0}, {"aggregator": "adasum", "lr": 1.0}],

@@ -121,6 +121,9 @@ def comm_checks() -> Dict[str, Any]:
     out["all_reduce_int"] = int(comm.all_reduce(ints, "sum").item()) == n * (n + 1) // 2
     gathered = comm.all_gather(mine.reshape(7, 1))
     out["all_gather"] = all(torch.equal(a.reshape(-1), b) for a, b in zip(gathered, every)) and len(gathered) == n
+    rows = torch.full((n, 7), float("nan"))
+    rows[r] = mine
+    out["all_gather_into"] = bool(torch.equal(comm.all_gather_into(rows), torch.stack(every)))
     b = mine.clone()
     comm.broadcast(b, src=n - 1)
     out["broadcast"] = bool(torch.equal(b, every[n - 1]))

@@ -45,6 +45,8 @@ def test_aggregators_and_bench_ranks_over_torch_distributed():
     assert res[0]["gossip"]["reports"][2]["consensus_distance"] > 0
     for r in res:
         assert "rank(s) 3" in r["nan_error"] and "step 11" in r["nan_error"]
+    # Comm.all_gather_into (what the robust aggregators gather with): world and an odd sub-group
+    assert [r["rows"] for r in res] == [{"world": True}] + [{"world": True, "sub": True}] * 3
     # the benchmarks' rank functions: rank 0 returns the rows
     clean = res[0]["byzantine"][0]
     assert res[1]["byzantine"] is None

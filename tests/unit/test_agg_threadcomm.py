@@ -109,3 +109,14 @@ def test_threadcomm_collectives_and_exchange():
     assert [o[0] for o in out] == [6.0] * 3
     assert [o[1] for o in out] == [2.0, 0.0, 1.0]
     assert out[1][2] == [0.0, 2.0, 4.0]
+
+
+def test_all_gather_into_default_fills_every_row():
+    def fn(comm):
+        out = torch.full((comm.size, 2, 3), -1.0)
+        out[comm.rank] = comm.rank + torch.arange(6.0).view(2, 3)
+        return comm.all_gather_into(out)
+
+    for out in run_threads(3, fn):
+        assert torch.equal(out, torch.stack([r + torch.arange(6.0).view(2, 3) for r in range(3)]))
+
