@@ -20,7 +20,8 @@ from pydantic import Field, model_validator
 from ..comm.base import Comm
 from ..config_base import ConfigError, StrictModel
 from .base import register_aggregator
-from .robust import RobustAggregator, bad_ranks, flatten_as, gather_candidates, require_some_finite, write_back
+from .. import kernels
+from .robust import RobustAggregator, bad_ranks, flat_dtype, flatten_as, require_some_finite, write_back
 
 
 @register_aggregator("zeno")
@@ -58,7 +59,7 @@ class Zeno(RobustAggregator):
 
     def set_validation_grads(self, grads: List[torch.Tensor]) -> None:
         """Hand over this rank's validation gradient (same tensors/order as the gradients aggregated)."""
-        self._v = flatten_as([g.detach() for g in grads], torch.float64)
+        self._v = flatten_as([g.detach() for g in grads], flat_dtype(grads))  # scored in float64 (kernels)
         self._v_step = self.step
 
     def needs_refresh(self) -> bool:
@@ -75,12 +76,16 @@ class Zeno(RobustAggregator):
         if self._v is None:
             raise RuntimeError("zeno: no validation gradient; pass validation_iter to pdv_ext.initialize, or call "
                                "set_validation_grads()/give validation_fn when using the aggregator standalone")
-        stack, finite = gather_candidates(grads, comm)
+        stack, finite = self.gather(grads, comm)
         if stack.shape[1] != self._v.numel():
             raise ValueError(f"zeno: validation gradient has {self._v.numel()} elements, gradients {stack.shape[1]}")
         require_some_finite(finite, "zeno", self.step)
-        work = torch.where(finite[:, None], stack, torch.zeros((), dtype=stack.dtype)).double()
-        scores = opt.gamma * (work @ self._v) - opt.rho * (work * work).sum(dim=1)
+        v = self._v if self._v.dtype == stack.dtype else self._v.to(stack.dtype)
+        # <v, g_i> and |g_i|^2 of each finite candidate in one float64-accumulating pass (pdv_ext.kernels)
+        scores = torch.zeros(m, dtype=torch.float64)
+        for i in torch.nonzero(finite).flatten().tolist():
+            dot, g2, _ = kernels.adasum_dots([stack[i]], [v])
+            scores[i] = opt.gamma * dot[0] - opt.rho * g2[0]
         # a score that over/underflowed counts as the worst finite score; agree on one choice by averaging
         # the scores over the group (the finite mask is identical everywhere: it comes from the gather)
         scores = torch.nan_to_num(scores, nan=-1e300, posinf=-1e300, neginf=-1e300)
@@ -90,7 +95,10 @@ class Zeno(RobustAggregator):
         n_keep = max(1, min(m - b, int(finite.sum())))
         order = torch.argsort(scores, descending=True, stable=True)
         keep, drop = order[:n_keep], order[n_keep:]
-        out = stack[keep].mean(dim=0)
+        out = stack[int(keep[0])].clone()  # the mean of the kept rows, without copying them out first
+        for i in keep[1:].tolist():
+            out.add_(stack[i])
+        out.div_(n_keep)
         self.report = {"dropped": sorted(int(i) for i in drop), "nonfinite": bad_ranks(finite),
                        "scores": [float(x) for x in scores]}
         return write_back(out, grads)
