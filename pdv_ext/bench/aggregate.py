@@ -5,7 +5,8 @@ projection, MLP, layer norms, biases, plus a token-embedding slice filling the r
 Per repetition every aggregator runs once, in rotating order, each after a barrier on fresh copies of the
 gradients; a step's time is the slowest rank's. Figures are medians after warm-up, in milliseconds.
 `torch_allreduce_ms` is one dist.all_reduce of the already-flat 64 MB buffer (the pure collective);
-every aggregator also pays for flattening the tensors. `horovod_adasum_ms` times hvd.allreduce(op=Adasum)
+every aggregator also pays for flattening the tensors. `cpu_ms` adds the CPU time of all ranks together
+(medians): with more ranks than cores, wall time is mostly that CPU time over the cores. `horovod_adasum_ms` times hvd.allreduce(op=Adasum)
 on the same tensors under `horovodrun --mpi` (null when Horovod or MPI is missing). An aggregator not
 registered is reported as null (and named on stderr).
 """
@@ -97,13 +98,14 @@ def _rank(elements: int, reps: int, warmup: int, names: List[str]) -> Dict[str, 
 
     order = ["torch_allreduce"] + list(aggs)
     times: Dict[str, List[float]] = {n: [] for n in order}
+    cpu: Dict[str, List[float]] = {n: [] for n in order}  # CPU seconds of the 4 ranks together
     for it in range(warmup + reps):
         rot = order[it % len(order):] + order[: it % len(order)]  # nobody always goes first
         for name in rot:
             grads = [t.clone() for t in base]
             work_flat = flat.clone()
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 if name == "torch_allreduce":
                     allreduce()
@@ -114,16 +116,19 @@ def _rank(elements: int, reps: int, warmup: int, names: List[str]) -> Dict[str, 
                 missing[name] = f"{type(e).__name__}: {e}"
                 ok = 0.0
             dt = torch.tensor([time.perf_counter() - t0, -ok], dtype=torch.float64)
+            dc = torch.tensor([time.process_time() - c0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's time; any failure wins
+            dist.all_reduce(dc)  # the CPU time of all ranks (all threads) together
             if dt[1].item() >= 0:  # failed somewhere: every rank drops it (collectives must match)
                 missing.setdefault(name, "failed on another rank")
             elif it >= warmup:
                 times[name].append(dt[0].item())
+                cpu[name].append(dc.item())
         order = [n for n in order if n not in missing]
         if comm.rank == 0:  # progress, in the rank's log
             print(f"iteration {it + 1}/{warmup + reps}: " + ", ".join(
                 f"{n} {times[n][-1] * 1e3:.0f} ms" for n in order if times[n]), file=sys.stderr, flush=True)
-    return {"times": times, "missing": missing, "tensors": len(shapes)}
+    return {"times": times, "cpu": cpu, "missing": missing, "tensors": len(shapes)}
 
 
 # ---- Horovod (MPI) ranks --------------------------------------------------------------------------
@@ -246,6 +251,10 @@ def main(argv=None) -> int:
         log("horovod_mean_ms: null (skipped: --quick / --no-horovod)")
     result["horovod_mean_ms"] = hm.get("horovod_mean_ms")
     result["hvd_allreduce_ms"] = hm.get("hvd_allreduce_ms")
+    # CPU seconds of all ranks together per exchange (medians): with more ranks than cores the wall time is
+    # mostly this divided by the cores, so it is the cost that carries over to a machine with a core per rank
+    result["cpu_ms"] = {n: round(median(ts) * 1e3, 1) for n, ts in res.get("cpu", {}).items()
+                        if ts and n not in res["missing"]}
     result["ranks"] = args.ranks
     result["mb"] = args.mb
     if result["adasum_ms"] and result["torch_allreduce_ms"]:
