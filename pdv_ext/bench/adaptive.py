@@ -29,8 +29,8 @@ of 16, the noise scale predicts ~3x): ratio ~1.0, target 0.8 missed. Adam-precon
 
 JSON: {"fixed": [{"batch", "seconds_to_target", "steps_to_target", "samples_to_target"}, ...],
 "adaptive_seconds_to_target", "ratio", "monitor_overhead", "adaptive_steps_to_target", "adaptive_batches"
-([step, batch] at each change), "adaptive_samples_to_target", "adaptive_trace" ([step, batch, gns, step ms]
-every 50 steps), "target_loss", ...}
+([step, batch] at each change), "adaptive_samples_to_target", "adaptive_trace" ([step, batch, gns, step ms,
+slowest rank's forward + backward ms] every 50 steps), "target_loss", ...}
 """
 from __future__ import annotations
 
@@ -197,7 +197,8 @@ def rank_main(**args: Any) -> Dict[str, Any]:
             gns = [r.get("gns") for r in rows if r.get("gns") is not None]
             out["adaptive_gns_first_last"] = [gns[0], gns[-1]] if gns else None
             # (step, batch, gns, step time in ms) every 50 steps: what the policy saw
-            out["adaptive_trace"] = [[r["step"], r["batch_size"], round(r["gns"]), round(1000 * r["step_time"], 1)]
+            out["adaptive_trace"] = [[r["step"], r["batch_size"], round(r["gns"]), round(1000 * r["step_time"], 1),
+                                      round(1000 * r["compute_max"], 1)]
                                      for r in rows if r.get("gns") is not None and r["step"] % 50 == 0]
         if eng.pdv_policy is not None:
             eng.pdv_policy.close()
