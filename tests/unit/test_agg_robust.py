@@ -141,3 +141,38 @@ def test_zeno_options_and_validation_refresh():
         run({"type": "zeno"}, 3)
     with pytest.raises(ConfigError, match="pdv.aggregation.b"):
         run({"type": "zeno", "b": 3}, 3, setup=lambda a, c: a.set_validation_grads(grads_of(0)))
+
+
+def test_finite_rows_sum_shortcut_is_exact():
+    from pdv_ext.aggregation.robust import finite_rows
+
+    big = torch.full((4,), 3e38)  # finite, but its float32 sum overflows to inf
+    stack = torch.stack([torch.ones(4), big, torch.tensor([1.0, float("nan"), 0.0, 0.0]),
+                         torch.tensor([float("-inf"), 0.0, 0.0, 0.0])])
+    assert finite_rows(stack).tolist() == [True, True, False, False]
+    assert finite_rows(torch.empty(3, 0)).tolist() == [True, True, True]
+
+
+def test_suspicion_matches_the_unblocked_formula():
+    from pdv_ext.aggregation import suspicion
+
+    m = 5
+
+    def make(r):
+        g = grads_of(r)
+        return [x * 4 for x in g] if r == 3 else g
+
+    old = suspicion.BLOCK
+    suspicion.BLOCK = 7  # many blocks, and a ragged last one
+    try:
+        out, rep = run({"type": "suspicion", "k": 1}, m, make=make)[0]
+    finally:
+        suspicion.BLOCK = old
+    stack = torch.stack([flat(make(r)) for r in range(m)]).double()
+    s = (stack - stack.mean(0)).norm(dim=1)
+    assert torch.allclose(torch.tensor(rep["suspicion"], dtype=torch.float64), s)
+    rest = [i for i in range(m) if i != int(s.argmax())]
+    w = s[rest].median() / (s[rest].median() + s[rest])
+    want = ((w[:, None] * stack[rest]).sum(0) + w.mean() * stack[rest].mean(0)) / (w.sum() + w.mean())
+    assert rep["dropped"] == [3]
+    assert torch.allclose(out.double(), want, atol=1e-6)
