@@ -129,10 +129,15 @@ class BufferCache:
         self._bufs.clear()
 
 
-def unflatten_into(flat: torch.Tensor, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Copy `flat` back into `tensors` (in place); returns `tensors`."""
+def unflatten_into(flat: torch.Tensor, tensors: List[torch.Tensor], scale: float = 1.0) -> List[torch.Tensor]:
+    """Copy `flat` (times `scale`, fused into the copy) back into `tensors` in place; returns `tensors`."""
     for dst, src in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
-        dst.copy_(src)
+        if scale == 1.0:
+            dst.copy_(src)
+        elif dst.dtype == src.dtype and dst.is_contiguous():
+            torch.mul(src, scale, out=dst)
+        else:
+            dst.copy_(src * scale)
     return tensors
 
 

@@ -62,9 +62,14 @@ class Mean(Aggregator):
             if opt.predivide_factor != 1.0:
                 buf.mul_(1.0 / opt.predivide_factor)
             comm.all_reduce(buf, "sum")
-            if opt.predivide_factor != world:
-                buf.mul_(opt.predivide_factor / world)
+        # DeepSpeed's postscale (buf *= predivide / world), fused into the copy back: the same rounding per
+        # element, one pass over the bucket fewer. A factor above 1 could overflow a finite sum, so then
+        # the bucket is scaled first and the finite check sees the scaled values.
+        scale = 1.0 if opt.prescale or opt.predivide_factor == world else opt.predivide_factor / world
+        if scale > 1.0:
+            buf.mul_(scale)
+            scale = 1.0
         if not all_finite([buf]):  # some rank's input (or the sum) was not finite
             mine = all_finite(bucket)  # this rank's input, not yet overwritten
             self.nonfinite_local_ok = mine if self.nonfinite_local_ok is None else (self.nonfinite_local_ok and mine)
-        unflatten_into(buf, bucket)
+        unflatten_into(buf, bucket, scale)
