@@ -26,7 +26,7 @@ from .. import kernels
 from ..comm.base import Comm
 from ..config_base import ConfigError, StrictModel
 from .base import Aggregator, register_aggregator
-from .robust import flat_dtype, flatten_as, write_back
+from .robust import flat_dtype, write_back
 
 SKETCH = 64
 
@@ -76,6 +76,7 @@ class Gossip(Aggregator):
         self.residual: Optional[torch.Tensor] = None  # not-yet-shared part of this rank's updates
         self.applied: Optional[torch.Tensor] = None   # cumulative update applied by this rank
         self._sketch: Optional[Dict[str, torch.Tensor]] = None
+        self._buf: Optional[torch.Tensor] = None  # flat gradients / output, reused
 
     def set_peers(self, peers: int) -> None:
         """Change the peer count (policy action SetGossipPeers); takes effect at the next step."""
@@ -89,7 +90,7 @@ class Gossip(Aggregator):
     def aggregate(self, grads: List[torch.Tensor], comm: Comm) -> List[torch.Tensor]:
         self.check(comm)
         opt = self.options
-        g = flatten_as(grads, flat_dtype(grads))
+        g = self._flatten(grads)
         n = g.numel()
         if self.residual is None or self.residual.numel() != n:
             self.residual = torch.zeros_like(g)
@@ -103,9 +104,9 @@ class Gossip(Aggregator):
             out = target - self.applied
             self.residual.zero_()
             peers: List[int] = []
+            self.applied += out
         else:
-            out, peers = self._gossip(g, comm)
-        self.applied += out
+            out, peers = self._gossip(g, comm)  # adds what it applies to self.applied, sparsely
         self.report = {"consensus_distance": self._consensus_distance(comm), "peers": peers, "synced": synced}
         return write_back(out, grads)
 
@@ -123,23 +124,39 @@ class Gossip(Aggregator):
         recvs = {p: torch.empty_like(msg) for p in nbrs[me]}
         comm.exchange({p: msg for p in nbrs[me]}, recvs)
         deg = [len(x) for x in nbrs]
-        out = torch.zeros_like(g)
+        out = g.zero_()  # the flat gradient is in the residual now: its buffer becomes the output
         self_w = 1.0
         for p, buf in recvs.items():
             w = 1.0 / (1 + max(deg[me], deg[p]))
             self_w -= w
-            self._add(out, buf, w, k, n, g.dtype)
-        self._add(out, msg, self_w, k, n, g.dtype)
+            self._add(buf, w, k, n, out, self.applied)
+        self._add(msg, self_w, k, n, out, self.applied)
         return out, nbrs[me]
 
     @staticmethod
-    def _add(out: torch.Tensor, msg: torch.Tensor, w: float, k: int, n: int, dtype: torch.dtype) -> None:
+    def _add(msg: torch.Tensor, w: float, k: int, n: int, *targets: torch.Tensor) -> None:
+        """targets += w x the message's update (dense when it carries everything, else at its k indices:
+        a sparse message costs k, not n)."""
         if k == n:
-            out.add_(msg, alpha=w)
+            for t in targets:
+                t.add_(msg, alpha=w)
             return
         itype = torch.int32 if msg.element_size() == 4 else torch.int64
         vals, idx = msg[:k], msg[k:].view(itype).long()
-        out.index_add_(0, idx, vals, alpha=w)
+        for t in targets:
+            t.index_add_(0, idx, vals, alpha=w)
+
+    def _flatten(self, grads: List[torch.Tensor]) -> torch.Tensor:
+        """The gradients as one flat buffer, reused across steps (a fresh 64 MB is allocated and faulted
+        in every time); it is free again once the top-k has moved it into the residual."""
+        dtype = flat_dtype(grads)
+        n = sum(x.numel() for x in grads)
+        buf = self._buf
+        if buf is None or buf.numel() != n or buf.dtype != dtype or (grads and buf.device != grads[0].device):
+            buf = self._buf = torch.empty(n, dtype=dtype, device=grads[0].device if grads else None)
+        if grads:
+            torch.cat([x.reshape(-1).to(dtype) for x in grads], out=buf)
+        return buf
 
     def _consensus_distance(self, comm: Comm) -> float:
         """sqrt(mean_i |u_i - mean u|^2) of the cumulative updates u, from a count sketch of each: entry j
