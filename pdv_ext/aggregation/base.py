@@ -134,10 +134,8 @@ def unflatten_into(flat: torch.Tensor, tensors: List[torch.Tensor], scale: float
     for dst, src in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
         if scale == 1.0:
             dst.copy_(src)
-        elif dst.dtype == src.dtype and dst.is_contiguous():
-            torch.mul(src, scale, out=dst)
         else:
-            dst.copy_(src * scale)
+            torch.mul(src, scale, out=dst)
     return tensors
 
 

@@ -26,7 +26,7 @@ from .. import kernels
 from ..comm.base import Comm
 from ..config_base import ConfigError, StrictModel
 from .base import Aggregator, register_aggregator
-from .robust import flat_dtype, write_back
+from .robust import flat_dtype, flatten_as, write_back
 
 SKETCH = 64
 
@@ -90,7 +90,7 @@ class Gossip(Aggregator):
     def aggregate(self, grads: List[torch.Tensor], comm: Comm) -> List[torch.Tensor]:
         self.check(comm)
         opt = self.options
-        g = self._flatten(grads)
+        g = self._buf = flatten_as(grads, flat_dtype(grads), out=self._buf)  # reused; free again after top-k
         n = g.numel()
         if self.residual is None or self.residual.numel() != n:
             self.residual = torch.zeros_like(g)
@@ -145,18 +145,6 @@ class Gossip(Aggregator):
         vals, idx = msg[:k], msg[k:].view(itype).long()
         for t in targets:
             t.index_add_(0, idx, vals, alpha=w)
-
-    def _flatten(self, grads: List[torch.Tensor]) -> torch.Tensor:
-        """The gradients as one flat buffer, reused across steps (a fresh 64 MB is allocated and faulted
-        in every time); it is free again once the top-k has moved it into the residual."""
-        dtype = flat_dtype(grads)
-        n = sum(x.numel() for x in grads)
-        buf = self._buf
-        if buf is None or buf.numel() != n or buf.dtype != dtype or (grads and buf.device != grads[0].device):
-            buf = self._buf = torch.empty(n, dtype=dtype, device=grads[0].device if grads else None)
-        if grads:
-            torch.cat([x.reshape(-1).to(dtype) for x in grads], out=buf)
-        return buf
 
     def _consensus_distance(self, comm: Comm) -> float:
         """sqrt(mean_i |u_i - mean u|^2) of the cumulative updates u, from a count sketch of each: entry j

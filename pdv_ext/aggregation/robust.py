@@ -23,11 +23,16 @@ def flat_dtype(grads: List[torch.Tensor]) -> torch.dtype:
     return torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
 
 
-def flatten_as(grads: List[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """One 1-D `dtype` buffer holding all `grads` (any dtypes) in order."""
-    if not grads:
-        return torch.empty(0, dtype=dtype)
-    return torch.cat([g.reshape(-1).to(dtype) for g in grads])
+def flatten_as(grads: List[torch.Tensor], dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One 1-D `dtype` buffer holding all `grads` (any dtypes) in order. Written into `out` when it fits
+    (size, dtype, device): a buffer reused step after step is not allocated and faulted in again."""
+    n = sum(g.numel() for g in grads)
+    device = grads[0].device if grads else torch.device("cpu")
+    if out is None or out.numel() != n or out.dtype != dtype or out.device != device:
+        out = torch.empty(n, dtype=dtype, device=device)
+    if grads:
+        torch.cat([g.reshape(-1).to(dtype) for g in grads], out=out)
+    return out
 
 
 def write_back(flat: torch.Tensor, grads: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -62,8 +67,7 @@ def gather_candidates(grads: List[torch.Tensor], comm: Comm,
     device = grads[0].device if grads else torch.device("cpu")
     if out is None or out.shape != (comm.size, n) or out.dtype != dtype or out.device != device:
         out = torch.empty(comm.size, n, dtype=dtype, device=device)
-    if grads:
-        torch.cat([g.reshape(-1).to(dtype) for g in grads], out=out[comm.rank])
+    flatten_as(grads, dtype, out=out[comm.rank])
     comm.all_gather_into(out)
     return out, finite_rows(out)
 
@@ -88,10 +92,12 @@ class RobustAggregator(Aggregator):
 
     #: NaN/Inf from a rank are filtered out, never raised (see faults.NonFiniteGuard)
     tolerates_nonfinite = True
+    #: the (m, n) buffer the candidates are gathered into, reused across steps
+    _stack: Optional[torch.Tensor] = None
 
     def gather(self, grads: List[torch.Tensor], comm: Comm) -> Tuple[torch.Tensor, torch.Tensor]:
         """`gather_candidates` into this aggregator's reused (m, n) buffer."""
-        stack, finite = gather_candidates(grads, comm, getattr(self, "_stack", None))
+        stack, finite = gather_candidates(grads, comm, self._stack)
         self._stack = stack
         return stack, finite
 

@@ -80,12 +80,12 @@ class Zeno(RobustAggregator):
         if stack.shape[1] != self._v.numel():
             raise ValueError(f"zeno: validation gradient has {self._v.numel()} elements, gradients {stack.shape[1]}")
         require_some_finite(finite, "zeno", self.step)
-        v = self._v if self._v.dtype == stack.dtype else self._v.to(stack.dtype)
+        v = self._v.to(stack.dtype)
         # <v, g_i> and |g_i|^2 of each finite candidate in one float64-accumulating pass (pdv_ext.kernels)
+        good = torch.nonzero(finite).flatten()
+        dot, g2, _ = kernels.adasum_dots([stack[i] for i in good.tolist()], [v] * len(good))
         scores = torch.zeros(m, dtype=torch.float64)
-        for i in torch.nonzero(finite).flatten().tolist():
-            dot, g2, _ = kernels.adasum_dots([stack[i]], [v])
-            scores[i] = opt.gamma * dot[0] - opt.rho * g2[0]
+        scores[good] = opt.gamma * dot - opt.rho * g2
         # a score that over/underflowed counts as the worst finite score; agree on one choice by averaging
         # the scores over the group (the finite mask is identical everywhere: it comes from the gather)
         scores = torch.nan_to_num(scores, nan=-1e300, posinf=-1e300, neginf=-1e300)

@@ -74,10 +74,14 @@ class Comm:
         if out.shape[0] != self.size:
             raise ValueError(f"all_gather_into: out has {out.shape[0]} rows, the group {self.size} ranks")
         if self.size > 1:
-            for r, t in enumerate(self.all_gather(out[self.rank])):
-                if r != self.rank:
-                    out[r].copy_(t)
+            self._gather_rows(out)
         return out
+
+    def _gather_rows(self, out: torch.Tensor) -> None:
+        """The transfer behind `all_gather_into` (shape checked, size > 1); backends may do it better."""
+        for r, t in enumerate(self.all_gather(out[self.rank])):
+            if r != self.rank:
+                out[r].copy_(t)
 
     def all_gather_varsize(self, tensor: torch.Tensor) -> List[torch.Tensor]:
         """All-gather 1-D tensors whose lengths differ between ranks."""

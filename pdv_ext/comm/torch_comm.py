@@ -51,23 +51,18 @@ class TorchComm(Comm):
         dist.all_gather(out, tensor.contiguous(), group=self.group)
         return out
 
-    def all_gather_into(self, out: torch.Tensor) -> torch.Tensor:
+    def _gather_rows(self, out: torch.Tensor) -> None:
         """On gloo a ring of `exchange`s, each row received in place: gloo's all_gather stages every
         tensor through its own buffers (4 x 64 MB on 4 CPU ranks: 0.8-1.3 s, plus the stacking copy,
         against 0.26 s for the ring). Elsewhere (nccl) the backend's in-place all_gather_into_tensor."""
-        if out.shape[0] != self.size:
-            raise ValueError(f"all_gather_into: out has {out.shape[0]} rows, the group {self.size} ranks")
-        if self.size == 1:
-            return out
         if not out.is_contiguous():
             raise ValueError("all_gather_into: out must be contiguous")
         if dist.get_backend(self.group) != "gloo":
             dist.all_gather_into_tensor(out.view(-1), out[self.rank].view(-1), group=self.group)
-            return out
+            return
         right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         for step in range(1, self.size):  # pass on the row received in the previous step
             self.exchange({right: out[(self.rank - step + 1) % self.size]}, {left: out[(self.rank - step) % self.size]})
-        return out
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.size > 1:
