@@ -149,29 +149,28 @@ class ChainDP:
         band = self.band(m) if band is None else band
         prev = np.full(self.L + 1, INF)
         prev[0] = 0.0
+        cur = np.empty(self.L + 1)
         choice = []
-        rows_cache: Dict[int, np.ndarray] = {}
+        capped_m, capped_r = math.isfinite(m), math.isfinite(r_cap)
         for s in range(self.S):
             l, K, valid, q, v, r = self._stage_terms(s, band)
             cand = np.maximum(prev[K], q) if minmax else prev[K] + v
-            if math.isfinite(m):
+            if capped_m:
                 cand[q > m] = INF
-            if math.isfinite(r_cap):
+            if capped_r:
                 cand[r > r_cap] = INF
             j = cand.argmin(axis=1)
-            rows = rows_cache.get(len(l))
-            if rows is None:
-                rows = rows_cache[len(l)] = np.arange(len(l))
-            cur = np.full(self.L + 1, INF)
-            cur[l] = cand[rows, j]
-            choice.append((l, K[rows, j]))
-            prev = cur
+            cur.fill(INF)
+            cand.min(axis=1, out=cur[l[0]:l[-1] + 1])
+            choice.append(j)  # the start of stage s ending at l is K[l - l0, j[l - l0]]
+            prev, cur = cur, prev
         if not math.isfinite(prev[self.L]):
             return INF, None
         bounds = [self.L]
         for s in range(self.S - 1, -1, -1):
-            l, k = choice[s]
-            bounds.append(int(k[bounds[-1] - l[0]]))
+            l, K = self._stage_terms(s, band)[:2]
+            i = bounds[-1] - l[0]
+            bounds.append(int(K[i, choice[s][i]]))
         return float(prev[self.L]), bounds[::-1]
 
     def stats(self, bounds: Sequence[int]) -> Tuple[float, float, float]:
@@ -261,22 +260,29 @@ class ChainDP:
                 f_top, bd_top, mt_top, lb_top = inner(top)
                 if bd_top is not None and b1 * mt_top + f_top < best:
                     best, best_bounds = b1 * mt_top + f_top, bd_top
-                # intervals (a, b, lower bound of F on the interval)
-                stack = [(m_star, mt_top if bd_top is not None else top, lb_top)] if bd_top is not None else []
+                # intervals (a, b, lower bound of F on [a, b], whether F(b) itself has been evaluated). Below
+                # a solved plan's bottleneck the bound is F just above it, loose by that plan's own step.
+                # When not even the interval's top b can be pruned with it (b1 b + bound <= best: just below
+                # the best plan's own bottleneck, where the bound is that plan's F), bisection never prunes
+                # the upper half and converged on the breakpoint one halving at a time (1024 layers / 4096
+                # devices: ~40 evaluations of F); such an interval is evaluated at its top instead, which
+                # tightens the bound to F(b) and settles [mt, b]. Others are bisected.
+                stack = [(m_star, mt_top, lb_top, True)] if bd_top is not None else []
                 while stack and passes < max_passes:
                     stack.sort(key=lambda x: b1 * x[0] + x[2])
-                    lo, hi, f_hi = stack.pop(0)
-                    if b1 * lo + f_hi >= best * (1 - 1e-12) or hi <= lo:
+                    lo, hi, f_hi, top_known = stack.pop(0)
+                    if b1 * lo + f_hi >= best * (1 - 1e-12) or hi < lo or (top_known and hi <= lo):
                         continue
-                    mid = 0.5 * (lo + hi)
-                    f_mid, bd_mid, mt_mid, lb_mid = inner(mid)
-                    if bd_mid is None:  # nothing feasible up to mid
-                        stack.append((np.nextafter(mid, INF), hi, f_hi))
+                    tight = not top_known and b1 * hi + f_hi <= best * (1 + 1e-12)
+                    m = hi if tight else 0.5 * (lo + hi)
+                    f_m, bd_m, mt_m, lb_m = inner(m)
+                    if m < hi:
+                        stack.append((np.nextafter(m, INF), hi, f_hi, top_known))
+                    if bd_m is None:  # nothing feasible up to m
                         continue
-                    if b1 * mt_mid + f_mid < best:
-                        best, best_bounds = b1 * mt_mid + f_mid, bd_mid
-                    stack.append((np.nextafter(mid, INF), hi, f_hi))
-                    stack.append((lo, np.nextafter(mt_mid, -INF), lb_mid))
+                    if b1 * mt_m + f_m < best:
+                        best, best_bounds = b1 * mt_m + f_m, bd_m
+                    stack.append((lo, np.nextafter(mt_m, -INF), lb_m, False))
             else:
                 pass
         elif b1 == 0 and bd is not None:
