@@ -1,7 +1,7 @@
 """Shared pieces of every config schema: the strict base model and error formatting (no heavy imports)."""
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -12,6 +12,19 @@ class StrictModel(BaseModel):
     """Base of every config model: unknown keys are errors, values are validated on assignment."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class WithOptions:
+    """A plug-in (aggregator, policy) configured by its own nested `Options` model: built from a dict, an
+    `Options` instance or keyword arguments, validated strictly (unknown keys are errors)."""
+
+    class Options(StrictModel):
+        pass
+
+    def __init__(self, options: Optional[Union[Dict[str, Any], StrictModel]] = None, **kwargs: Any):
+        if isinstance(options, StrictModel):
+            options = options.model_dump()
+        self.options = self.Options.model_validate({**(options or {}), **kwargs})
 
 
 class ConfigError(ValueError):

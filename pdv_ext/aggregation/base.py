@@ -12,13 +12,13 @@ from typing import Any, ClassVar, Dict, List, Optional, Union
 import torch
 
 from ..comm.base import Comm
-from ..config_base import StrictModel
+from ..config_base import StrictModel, WithOptions
 from ..registry import Registry
 
 AGGREGATORS: Registry = Registry("aggregator", "pdv_ext.aggregators")
 
 
-class Aggregator:
+class Aggregator(WithOptions):
     """Base class. Subclasses set `name`, an `Options` model (their config keys) and `aggregate`.
 
     - `aggregate(grads, comm)` is collective: every rank of `comm` calls it with tensors of the same
@@ -35,13 +35,8 @@ class Aggregator:
     #: non-finite guard, which then skips its own passes over the gradients
     checks_nonfinite: ClassVar[bool] = False
 
-    class Options(StrictModel):
-        pass
-
     def __init__(self, options: Optional[Union[Dict[str, Any], StrictModel]] = None, **kwargs: Any):
-        if isinstance(options, StrictModel):
-            options = options.model_dump()
-        self.options = self.Options.model_validate({**(options or {}), **kwargs})
+        super().__init__(options, **kwargs)
         self.step = 0
         self.report: Dict[str, Any] = {}
 

@@ -90,16 +90,16 @@ class Links(StrictModel):
     pairs: List[PairLink] = Field(default_factory=list)
 
 
+def _memory(v: Any) -> Optional[float]:
+    return None if v is None else parse_quantity(v, "memory")
+
+
 class Device(StrictModel):
     name: str
     host: str
     throughput: float = Field(default=1.0, gt=0)
     memory: Optional[float] = Field(default=None, gt=0)
-
-    @field_validator("memory", mode="before")
-    @classmethod
-    def _mem(cls, v: Any) -> Optional[float]:
-        return None if v is None else parse_quantity(v, "memory")
+    _mem = field_validator("memory", mode="before")(_memory)
 
 
 class HostGroup(StrictModel):
@@ -107,11 +107,7 @@ class HostGroup(StrictModel):
     devices: int = Field(gt=0)
     throughput: float = Field(default=1.0, gt=0)
     memory: Optional[float] = Field(default=None, gt=0)
-
-    @field_validator("memory", mode="before")
-    @classmethod
-    def _mem(cls, v: Any) -> Optional[float]:
-        return None if v is None else parse_quantity(v, "memory")
+    _mem = field_validator("memory", mode="before")(_memory)
 
 
 class ClusterSpec(StrictModel):

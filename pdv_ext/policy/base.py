@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Dict, List, Literal, Optional, Type, Union
 
-from ..config_base import StrictModel
+from ..config_base import StrictModel, WithOptions
 from ..registry import Registry
 
 POLICIES: Registry = Registry("policy", "pdv_ext.policies")
@@ -99,7 +99,7 @@ class TrainContext:
         return self.micro_batch_size * self.micro_batches * self.dp_size
 
 
-class Policy:
+class Policy(WithOptions):
     """Base class of policies. Subclass, set `name` and an `Options` model, override the hooks.
 
     `after_step(metrics)` gets a dict (keys in docs/policy.md: step, batch_size, micro_batches,
@@ -108,14 +108,6 @@ class Policy:
     """
 
     name: ClassVar[str] = "policy"
-
-    class Options(StrictModel):
-        pass
-
-    def __init__(self, options: Optional[Union[Dict[str, Any], StrictModel]] = None, **kwargs: Any):
-        if isinstance(options, StrictModel):
-            options = options.model_dump()
-        self.options = self.Options.model_validate({**(options or {}), **kwargs})
 
     def on_train_begin(self, ctx: TrainContext) -> None:
         """Called once on every rank before the first step (or after a resume)."""
