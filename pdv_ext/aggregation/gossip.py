@@ -75,7 +75,7 @@ class Gossip(Aggregator):
         super().__init__(options, **kw)
         self.residual: Optional[torch.Tensor] = None  # not-yet-shared part of this rank's updates
         self.applied: Optional[torch.Tensor] = None   # cumulative update applied by this rank
-        self._sketch: Optional[Dict[str, torch.Tensor]] = None
+        self._sketch: Optional[Dict[str, Any]] = None  # row signs of the consensus sketch, for n entries
         self._buf: Optional[torch.Tensor] = None  # flat gradients / output, reused
 
     def set_peers(self, peers: int) -> None:
@@ -147,24 +147,28 @@ class Gossip(Aggregator):
             t.index_add_(0, idx, vals, alpha=w)
 
     def _consensus_distance(self, comm: Comm) -> float:
-        """sqrt(mean_i |u_i - mean u|^2) of the cumulative updates u, from a count sketch of each: entry j
-        goes to bucket j mod 64 with a seeded random sign (random signs make |sketch|^2 an unbiased estimate
-        of |u|^2 for any fixed buckets; striping spreads every tensor over all of them). A strided view
-        sum, not a scatter: 80 ms for 16 M entries where an index_add_ over random buckets took 200 ms,
-        and 1 byte of state per entry instead of 16."""
+        """sqrt(mean_i |u_i - mean u|^2) of the cumulative updates u, from a linear sketch of each: entry j
+        goes to bucket j mod 64, and every row of 64 consecutive entries gets one seeded random sign, so
+        the sketch is one matrix-vector product over u seen as (n/64, 64). Independent signs per row make
+        |sketch|^2 an unbiased estimate of |u|^2 (cross terms within a bucket come from different rows,
+        whose signs are independent); striping spreads every tensor over all buckets. 16 M entries: 8-12
+        ms, where per-entry signs (a product, then a strided column sum) took ~100 ms; 4 bytes of state per
+        64 entries."""
         u = self.applied
         n = u.numel()
         if comm.size == 1 or n == 0:
             return 0.0
-        if self._sketch is None or self._sketch["sign"].numel() != n:
+        rows, full = n // SKETCH, n - n % SKETCH
+        work = u if (u.dtype in (torch.float32, torch.float64) or u.is_cuda) else u.float()
+        sign = self._sketch["sign"] if self._sketch is not None and self._sketch["n"] == n else None
+        if sign is None or sign.dtype != work.dtype or sign.device != work.device:
             gen = torch.Generator().manual_seed(12345)
-            self._sketch = {"sign": torch.randint(0, 2, (n,), generator=gen, dtype=torch.int8).mul_(2).sub_(1)
-                            .to(u.device)}
-        x = u * self._sketch["sign"]
-        full = n - n % SKETCH
+            sign = torch.randint(0, 2, (rows + 1,), generator=gen).to(work.dtype).mul_(2).sub_(1).to(work.device)
+            self._sketch = {"sign": sign, "n": n}
         sk = torch.zeros(SKETCH + 1, dtype=torch.float64, device=u.device)
-        sk[:SKETCH] = x[:full].view(-1, SKETCH).sum(0).double()
-        sk[: n - full] += x[full:].double()
+        if rows:
+            sk[:SKETCH] = torch.mv(work[:full].view(rows, SKETCH).t(), sign[:rows]).double()
+        sk[: n - full] += work[full:].double() * sign[rows].double()  # the ragged last row
         sk = sk.cpu()
         sk[SKETCH] = sk[:SKETCH].pow(2).sum()
         comm.all_reduce(sk, "sum")
