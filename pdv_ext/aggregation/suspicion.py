@@ -19,8 +19,21 @@ from ..config_base import ConfigError, StrictModel
 from .base import register_aggregator
 from .robust import RobustAggregator, bad_ranks, require_some_finite, write_back
 
-#: columns per float64 block: the statistics are computed block by block, never on an (m, n) float64 copy
-BLOCK = 1 << 14
+#: columns per float64 block of the Gram matrix: never an (m, n) float64 copy of the candidates
+BLOCK = 1 << 16
+
+
+def gram64(stack: torch.Tensor) -> torch.Tensor:
+    """stack @ stack.T (m x m) accumulated in float64, one column block at a time: one read of the
+    candidates, whatever their dtype."""
+    m, n = stack.shape
+    g = torch.zeros(m, m, dtype=torch.float64, device=stack.device)
+    buf = torch.empty(m, min(BLOCK, n), dtype=torch.float64, device=stack.device)
+    for lo in range(0, n, BLOCK):
+        blk = buf[:, : min(BLOCK, n - lo)]
+        blk.copy_(stack[:, lo:lo + BLOCK])
+        g.addmm_(blk, blk.t())
+    return g
 
 
 @register_aggregator("suspicion")
@@ -42,16 +55,15 @@ class Suspicion(RobustAggregator):
         require_some_finite(finite, "suspicion", self.step)
         m, n = stack.shape
         dev = stack.device
-        all_finite = bool(finite.all())
         good = torch.nonzero(finite).flatten()
-        rows = slice(None) if all_finite else good.to(dev)  # a view of the stack when every row is finite
-        # s_i = |g_i - mean of the finite g|, in float64 over column blocks
-        s2 = torch.zeros(len(good), dtype=torch.float64, device=dev)
-        for lo in range(0, n, BLOCK):
-            blk = stack[rows, lo:lo + BLOCK].double()
-            s2 += (blk - blk.mean(dim=0)).square_().sum(dim=1)
+        if not bool(finite.all()):
+            stack[~finite.to(dev)] = 0  # our own gathered copy: the bad rows get weight 0 below, and 0 * NaN is NaN
+        # s_i = |g_i - mean of the finite g| from their Gram matrix G (float64):
+        # |g_i - mu|^2 = G_ii - 2 mean_j G_ij + mean_jk G_jk over the finite j, k
+        gg = gram64(stack).cpu()[good][:, good]
+        s2 = (gg.diagonal() - 2.0 * gg.mean(dim=1) + gg.mean()).clamp_(min=0.0)
         s = torch.full((m,), float("inf"), dtype=torch.float64)
-        s[good] = s2.sqrt().cpu()
+        s[good] = s2.sqrt()
         s = torch.nan_to_num(s, nan=float("inf"))
         n_replace = max(k, int((~finite).sum()))
         n_replace = min(n_replace, m - 1)
@@ -64,16 +76,11 @@ class Suspicion(RobustAggregator):
         else:
             w = alpha / (alpha + finite_s)
         w_rep = w.mean()
-        # sum_rest w_i g_i + n_replace w_rep mean(rest), over the total weight: one coefficient per kept row
-        coef = (w + n_replace * w_rep / len(rest)) / (w.sum() + n_replace * w_rep)
-        if all_finite:  # every row, the replaced ones with coefficient 0: again a view, not a copy
-            coef, rows = torch.zeros(m, dtype=torch.float64).index_copy_(0, rest, coef), slice(None)
-        else:
-            rows = rest.to(dev)
-        coef = coef.unsqueeze(0).to(dev)
-        out = torch.empty(n, dtype=stack.dtype, device=dev)
-        for lo in range(0, n, BLOCK):
-            out[lo:lo + BLOCK] = (coef @ stack[rows, lo:lo + BLOCK].double()).squeeze(0)
+        # sum_rest w_i g_i + n_replace w_rep mean(rest), over the total weight: one coefficient per kept row,
+        # 0 for the replaced (and non-finite) rows; then one matrix-vector product over the candidates
+        coef = torch.zeros(m, dtype=torch.float64).index_copy_(
+            0, rest, (w + n_replace * w_rep / len(rest)) / (w.sum() + n_replace * w_rep))
+        out = torch.mv(stack.t(), coef.to(device=dev, dtype=stack.dtype))
         self.report = {"dropped": sorted(int(i) for i in replaced), "nonfinite": bad_ranks(finite),
                        "suspicion": [float(x) for x in s]}
         return write_back(out, grads)

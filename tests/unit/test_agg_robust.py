@@ -163,7 +163,7 @@ def test_suspicion_matches_the_unblocked_formula():
         return [x * 4 for x in g] if r == 3 else g
 
     old = suspicion.BLOCK
-    suspicion.BLOCK = 7  # many blocks, and a ragged last one
+    suspicion.BLOCK = 7  # many Gram blocks, and a ragged last one
     try:
         out, rep = run({"type": "suspicion", "k": 1}, m, make=make)[0]
     finally:
