@@ -1,9 +1,14 @@
 """`median` and `trimmed_mean`: the classic coordinate-wise robust baselines, plus the candidate plumbing
-(gather every rank's gradient, set aside non-finite candidates) shared by the robust aggregators.
+(gather every rank's gradient, or slices of them; set aside non-finite candidates) shared by the robust
+aggregators.
 
-Every rank all-gathers the flattened candidates of its group and computes the same statistic, so all
-replicas end identical. A candidate holding NaN/Inf is excluded before any arithmetic: non-finite values
-never reach the weights through a robust aggregator.
+A coordinate-wise statistic needs only the candidates' values at its own coordinates: every rank receives
+all candidates' entries of its 1/m slice (an all-to-all), computes the statistic there, and an all-gather
+of the finished slices rebuilds the whole result on every rank (an all-reduce's bytes, 1/m of the work per
+rank). Statistics over whole candidates (zeno, suspicion) all-gather the flattened candidates and every
+rank computes the same numbers. Either way all replicas end identical, and a candidate holding NaN/Inf
+anywhere is excluded (by every rank alike) before any arithmetic: non-finite values never reach the
+weights through a robust aggregator.
 """
 from __future__ import annotations
 
@@ -72,6 +77,47 @@ def gather_candidates(grads: List[torch.Tensor], comm: Comm,
     return out, finite_rows(out)
 
 
+def slice_bounds(n: int, m: int) -> List[int]:
+    """Starts of the m near-equal slices of n entries (and n at the end): rank r owns [b[r], b[r+1])."""
+    return [r * n // m for r in range(m + 1)]
+
+
+def scatter_slices(flat: torch.Tensor, comm: Comm, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """All-to-all of 1/m slices: row p of the result is rank p's entries of this rank's slice of `flat`
+    ((m - 1)/m of the buffer leaves and arrives on every rank: an all-reduce's reduce-scatter bytes, where
+    gathering every candidate moves m - 1 times the buffer). `out` is reused when it fits."""
+    m, me = comm.size, comm.rank
+    b = slice_bounds(flat.numel(), m)
+    lo, hi = b[me], b[me + 1]
+    if out is None or out.shape != (m, hi - lo) or out.dtype != flat.dtype or out.device != flat.device:
+        out = torch.empty(m, hi - lo, dtype=flat.dtype, device=flat.device)
+    out[me].copy_(flat[lo:hi])
+    sends = {p: flat[b[p]:b[p + 1]] for p in range(m) if p != me and b[p + 1] > b[p]}
+    recvs = {p: out[p] for p in range(m) if p != me and hi > lo}
+    comm.exchange(sends, recvs)
+    return out
+
+
+def gather_slices(flat: torch.Tensor, mine: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """All-gather of finished slices: this rank's `mine` goes to its slice of `flat`, every other rank's
+    arrives in place in theirs. Every slice is computed by exactly one rank: all replicas end identical."""
+    m, me = comm.size, comm.rank
+    b = slice_bounds(flat.numel(), m)
+    flat[b[me]:b[me + 1]].copy_(mine)
+    sends = {p: flat[b[me]:b[me + 1]] for p in range(m) if p != me and b[me + 1] > b[me]}
+    recvs = {p: flat[b[p]:b[p + 1]] for p in range(m) if p != me and b[p + 1] > b[p]}
+    comm.exchange(sends, recvs)
+    return flat
+
+
+def agreed_finite(rows: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Bool mask over ranks: the rows of the candidates without NaN/Inf anywhere, from every rank's check of
+    its own slice (one all-reduce of m flags): identical on every rank."""
+    bad = (~finite_rows(rows)).to(torch.float64)
+    comm.all_reduce(bad, "sum")
+    return bad == 0
+
+
 def finite_stack(stack: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
     """The finite rows of `stack`: `stack` itself when all are (no copy), else a copy of those rows."""
     return stack if bool(finite.all()) else stack[finite]
@@ -95,11 +141,26 @@ class RobustAggregator(Aggregator):
     #: the (m, n) buffer the candidates are gathered into, reused across steps
     _stack: Optional[torch.Tensor] = None
 
+    #: the flat gradient and this rank's (m, n/m) slice of every candidate, for the sliced statistics
+    _flat: Optional[torch.Tensor] = None
+    _rows: Optional[torch.Tensor] = None
+
     def gather(self, grads: List[torch.Tensor], comm: Comm) -> Tuple[torch.Tensor, torch.Tensor]:
         """`gather_candidates` into this aggregator's reused (m, n) buffer."""
         stack, finite = gather_candidates(grads, comm, self._stack)
         self._stack = stack
         return stack, finite
+
+    def slices(self, grads: List[torch.Tensor], comm: Comm) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(rows, finite) for a coordinate-wise statistic: every candidate's entries of this rank's slice
+        (`scatter_slices`) and the agreed mask of finite candidates. Finish with `finish_slices`."""
+        self._flat = flatten_as(grads, flat_dtype(grads), out=self._flat)
+        self._rows = scatter_slices(self._flat, comm, self._rows)
+        return self._rows, agreed_finite(self._rows, comm)
+
+    def finish_slices(self, mine: torch.Tensor, grads: List[torch.Tensor], comm: Comm) -> List[torch.Tensor]:
+        """All-gather every rank's finished slice (`mine` is this rank's) and write the result to `grads`."""
+        return write_back(gather_slices(self._flat, mine, comm), grads)
 
 
 @register_aggregator("median")
@@ -111,10 +172,10 @@ class Median(RobustAggregator):
         pass
 
     def aggregate(self, grads: List[torch.Tensor], comm: Comm) -> List[torch.Tensor]:
-        stack, finite = self.gather(grads, comm)
+        rows, finite = self.slices(grads, comm)
         require_some_finite(finite, "median", self.step)
         self.report = {"dropped": bad_ranks(finite), "nonfinite": bad_ranks(finite)}
-        return write_back(kernels.coordinate_median(finite_stack(stack, finite)), grads)
+        return self.finish_slices(kernels.coordinate_median(finite_stack(rows, finite)), grads, comm)
 
 
 @register_aggregator("trimmed_mean")
@@ -133,10 +194,10 @@ class TrimmedMean(RobustAggregator):
 
             raise ConfigError([f"pdv.aggregation.b: trimming {b} on each side needs a data-parallel group of more "
                                f"than {2 * b} ranks; this group has {comm.size}"])
-        stack, finite = self.gather(grads, comm)
+        rows, finite = self.slices(grads, comm)
         require_some_finite(finite, "trimmed_mean", self.step)
-        good = finite_stack(stack, finite)
+        good = finite_stack(rows, finite)
         # a non-finite candidate was already removed: it used up one of the trims on its side
         trim = min(b, (good.shape[0] - 1) // 2)
         self.report = {"dropped": bad_ranks(finite), "nonfinite": bad_ranks(finite), "trim": trim}
-        return write_back(kernels.trimmed_mean(good, trim), grads)
+        return self.finish_slices(kernels.trimmed_mean(good, trim), grads, comm)
