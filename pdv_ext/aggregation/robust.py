@@ -1,14 +1,13 @@
 """`median` and `trimmed_mean`: the classic coordinate-wise robust baselines, plus the candidate plumbing
-(gather every rank's gradient, or slices of them; set aside non-finite candidates) shared by the robust
-aggregators.
+(slices of every rank's gradient, the non-finite candidates set aside) shared by the robust aggregators.
 
-A coordinate-wise statistic needs only the candidates' values at its own coordinates: every rank receives
-all candidates' entries of its 1/m slice (an all-to-all), computes the statistic there, and an all-gather
-of the finished slices rebuilds the whole result on every rank (an all-reduce's bytes, 1/m of the work per
-rank). Statistics over whole candidates (zeno, suspicion) all-gather the flattened candidates and every
-rank computes the same numbers. Either way all replicas end identical, and a candidate holding NaN/Inf
-anywhere is excluded (by every rank alike) before any arithmetic: non-finite values never reach the
-weights through a robust aggregator.
+Every rank receives all candidates' entries of its 1/m slice (an all-to-all) and computes there: a
+coordinate-wise statistic directly; a statistic over whole candidates (zeno's scores, suspicion's
+distances) from partial sums of the slices, added in rank order after a small all-gather, so every rank
+takes the same decision. An all-gather of the finished slices rebuilds the result on every rank: an
+all-reduce's bytes instead of m - 1 gradients per rank, 1/m of the work per rank, and all replicas end
+identical (each slice is computed by one rank). A candidate holding NaN/Inf anywhere is excluded (by
+every rank alike) before any arithmetic: non-finite values never reach the weights.
 """
 from __future__ import annotations
 
@@ -61,22 +60,6 @@ def finite_rows(stack: torch.Tensor) -> torch.Tensor:
     return finite
 
 
-def gather_candidates(grads: List[torch.Tensor], comm: Comm,
-                      out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(stack, finite): every rank's flattened gradient as an (m, n) tensor and a bool mask of the rows
-    without NaN/Inf. Identical on every rank of `comm`. This rank's gradients are flattened into its own
-    row and the others received into theirs (`Comm.all_gather_into`); `out`, when it has the right
-    shape and dtype, is that buffer (reused step after step: no 256 MB to allocate and fault in)."""
-    dtype = flat_dtype(grads)
-    n = sum(g.numel() for g in grads)
-    device = grads[0].device if grads else torch.device("cpu")
-    if out is None or out.shape != (comm.size, n) or out.dtype != dtype or out.device != device:
-        out = torch.empty(comm.size, n, dtype=dtype, device=device)
-    flatten_as(grads, dtype, out=out[comm.rank])
-    comm.all_gather_into(out)
-    return out, finite_rows(out)
-
-
 def slice_bounds(n: int, m: int) -> List[int]:
     """Starts of the m near-equal slices of n entries (and n at the end): rank r owns [b[r], b[r+1])."""
     return [r * n // m for r in range(m + 1)]
@@ -118,6 +101,18 @@ def agreed_finite(rows: torch.Tensor, comm: Comm) -> torch.Tensor:
     return bad == 0
 
 
+def sum_partials(part: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Sum of every rank's `part` (partial sums over its slice), added in rank order after an all-gather:
+    bitwise the same on every rank, so decisions taken from it (who is dropped) agree everywhere."""
+    rows = torch.empty((comm.size,) + tuple(part.shape), dtype=part.dtype, device=part.device)
+    rows[comm.rank].copy_(part)
+    comm.all_gather_into(rows)
+    total = rows[0].clone()
+    for r in range(1, comm.size):
+        total += rows[r]
+    return total
+
+
 def finite_stack(stack: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
     """The finite rows of `stack`: `stack` itself when all are (no copy), else a copy of those rows."""
     return stack if bool(finite.all()) else stack[finite]
@@ -138,22 +133,15 @@ class RobustAggregator(Aggregator):
 
     #: NaN/Inf from a rank are filtered out, never raised (see faults.NonFiniteGuard)
     tolerates_nonfinite = True
-    #: the (m, n) buffer the candidates are gathered into, reused across steps
-    _stack: Optional[torch.Tensor] = None
-
-    #: the flat gradient and this rank's (m, n/m) slice of every candidate, for the sliced statistics
+    #: the flat gradient and this rank's (m, n/m) slice of every candidate, reused across steps
     _flat: Optional[torch.Tensor] = None
     _rows: Optional[torch.Tensor] = None
 
-    def gather(self, grads: List[torch.Tensor], comm: Comm) -> Tuple[torch.Tensor, torch.Tensor]:
-        """`gather_candidates` into this aggregator's reused (m, n) buffer."""
-        stack, finite = gather_candidates(grads, comm, self._stack)
-        self._stack = stack
-        return stack, finite
-
     def slices(self, grads: List[torch.Tensor], comm: Comm) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(rows, finite) for a coordinate-wise statistic: every candidate's entries of this rank's slice
-        (`scatter_slices`) and the agreed mask of finite candidates. Finish with `finish_slices`."""
+        """(rows, finite): every candidate's entries of this rank's slice (`scatter_slices`) and the agreed
+        mask of finite candidates. A coordinate-wise statistic is computed on `rows` directly; one over
+        whole candidates sums partial results of the slices (`sum_partials`). Finish with
+        `finish_slices`."""
         self._flat = flatten_as(grads, flat_dtype(grads), out=self._flat)
         self._rows = scatter_slices(self._flat, comm, self._rows)
         return self._rows, agreed_finite(self._rows, comm)

@@ -1,10 +1,13 @@
 """`suspicion`: robust averaging without validation data (pipeDejavu's variant of Zeno).
 
-Every rank gathers the group's candidates and computes, identically:
+Every rank gets all candidates' entries of its 1/m slice (robust.RobustAggregator.slices), the partial
+Gram matrices of the slices are summed in rank order (identical everywhere), and from them every rank
+computes, identically:
   s_i = |g_i - mean(g)|                       (suspicion: distance from the plain mean)
   the k most suspicious candidates are replaced by the plain mean of the rest,
   out = sum_i w_i g'_i / sum_i w_i,  w_i = alpha / (alpha + s_i)
-where a replaced candidate gets the average weight of the rest. `alpha` defaults to the median suspicion
+where a replaced candidate gets the average weight of the rest; each rank forms `out` on its slice and an
+all-gather rebuilds it. `alpha` defaults to the median suspicion
 of the step, which makes the weights scale-free. Non-finite candidates are always among the replaced.
 """
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pydantic import Field
 from ..comm.base import Comm
 from ..config_base import ConfigError, StrictModel
 from .base import register_aggregator
-from .robust import RobustAggregator, bad_ranks, require_some_finite, write_back
+from .robust import RobustAggregator, bad_ranks, require_some_finite, sum_partials
 
 #: columns per float64 block of the Gram matrix: never an (m, n) float64 copy of the candidates
 BLOCK = 1 << 16
@@ -51,16 +54,16 @@ class Suspicion(RobustAggregator):
         if k >= comm.size:
             raise ConfigError([f"pdv.aggregation.k: replacing {k} candidates needs a data-parallel group of more "
                                f"than {k} ranks; this group has {comm.size}"])
-        stack, finite = self.gather(grads, comm)
+        rows, finite = self.slices(grads, comm)  # every candidate's entries of this rank's slice
         require_some_finite(finite, "suspicion", self.step)
-        m, n = stack.shape
-        dev = stack.device
+        m = comm.size
+        dev = rows.device
         good = torch.nonzero(finite).flatten()
         if not bool(finite.all()):
-            stack[~finite.to(dev)] = 0  # our own gathered copy: the bad rows get weight 0 below, and 0 * NaN is NaN
-        # s_i = |g_i - mean of the finite g| from their Gram matrix G (float64):
-        # |g_i - mu|^2 = G_ii - 2 mean_j G_ij + mean_jk G_jk over the finite j, k
-        gg = gram64(stack).cpu()[good][:, good]
+            rows[~finite.to(dev)] = 0  # our own copy: the bad rows get weight 0 below, and 0 * NaN is NaN
+        # s_i = |g_i - mean of the finite g| from their Gram matrix G (float64, partial sums over the
+        # slices added in rank order): |g_i - mu|^2 = G_ii - 2 mean_j G_ij + mean_jk G_jk over finite j, k
+        gg = sum_partials(gram64(rows), comm).cpu()[good][:, good]
         s2 = (gg.diagonal() - 2.0 * gg.mean(dim=1) + gg.mean()).clamp_(min=0.0)
         s = torch.full((m,), float("inf"), dtype=torch.float64)
         s[good] = s2.sqrt()
@@ -80,7 +83,7 @@ class Suspicion(RobustAggregator):
         # 0 for the replaced (and non-finite) rows; then one matrix-vector product over the candidates
         coef = torch.zeros(m, dtype=torch.float64).index_copy_(
             0, rest, (w + n_replace * w_rep / len(rest)) / (w.sum() + n_replace * w_rep))
-        out = torch.mv(stack.t(), coef.to(device=dev, dtype=stack.dtype))
+        out = torch.mv(rows.t(), coef.to(device=dev, dtype=rows.dtype))
         self.report = {"dropped": sorted(int(i) for i in replaced), "nonfinite": bad_ranks(finite),
                        "suspicion": [float(x) for x in s]}
-        return write_back(out, grads)
+        return self.finish_slices(out, grads, comm)

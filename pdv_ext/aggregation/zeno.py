@@ -1,10 +1,13 @@
 """`zeno`: keep the candidates that descend on trusted validation data (Zeno / Zeno++, first-order form).
 
-Each rank scores every candidate of its group with  score_i = gamma <v, g_i> - rho |g_i|^2,  v being its
-own gradient on validation data, keeps the m - b best and averages them. The scores are averaged over
-the group (one all-reduce of m floats) before choosing, so every replica keeps the same candidates and
-replicas stay identical even when each rank's validation batch differs (averaging scores is scoring
-with the group's mean validation gradient). Candidates with NaN/Inf score -inf and are always dropped.
+Every candidate of the group is scored with  score_i = gamma <v, g_i> - rho |g_i|^2,  v being the
+group's mean gradient on validation data (each rank computes its own on its validation batch; averaging
+the ranks' scores is scoring with the mean), and the m - b best are averaged. Computed on slices: every
+rank gets all candidates' and all validation gradients' entries of its 1/m slice (two all-to-alls), its
+partial dot products and norms are summed over the slices in rank order (one all-gather of 2m floats:
+the same scores, bitwise, on every rank, so every replica keeps the same candidates), it averages the
+kept candidates on its slice, and an all-gather rebuilds the result. Candidates with NaN/Inf score -inf
+and are always dropped.
 
 Where v comes from: `set_validation_grads(list)` (the pipeline engine does this every `refresh_every`
 steps from one extra forward/backward micro-batch of `validation_iter`), or a `validation_fn` callable
@@ -21,7 +24,8 @@ from ..comm.base import Comm
 from ..config_base import ConfigError, StrictModel
 from .base import register_aggregator
 from .. import kernels
-from .robust import RobustAggregator, bad_ranks, flat_dtype, flatten_as, require_some_finite, write_back
+from .robust import (RobustAggregator, bad_ranks, flat_dtype, flatten_as, require_some_finite, scatter_slices,
+                     sum_partials)
 
 
 @register_aggregator("zeno")
@@ -56,6 +60,7 @@ class Zeno(RobustAggregator):
         self.validation_fn = validation_fn
         self._v: Optional[torch.Tensor] = None
         self._v_step = -1
+        self._vrows: Optional[torch.Tensor] = None  # every rank's v on this rank's slice, reused
 
     def set_validation_grads(self, grads: List[torch.Tensor]) -> None:
         """Hand over this rank's validation gradient (same tensors/order as the gradients aggregated)."""
@@ -76,32 +81,35 @@ class Zeno(RobustAggregator):
         if self._v is None:
             raise RuntimeError("zeno: no validation gradient; pass validation_iter to pdv_ext.initialize, or call "
                                "set_validation_grads()/give validation_fn when using the aggregator standalone")
-        stack, finite = self.gather(grads, comm)
-        if stack.shape[1] != self._v.numel():
-            raise ValueError(f"zeno: validation gradient has {self._v.numel()} elements, gradients {stack.shape[1]}")
+        n = sum(g.numel() for g in grads)
+        if n != self._v.numel():
+            raise ValueError(f"zeno: validation gradient has {self._v.numel()} elements, gradients {n}")
+        rows, finite = self.slices(grads, comm)  # every candidate's entries of this rank's slice
         require_some_finite(finite, "zeno", self.step)
-        v = self._v.to(stack.dtype)
-        # <v, g_i> and |g_i|^2 of each finite candidate in one float64-accumulating pass (pdv_ext.kernels)
+        # every rank's validation gradient on this slice, summed: the group's mean v, times m
+        self._vrows = scatter_slices(self._v.to(rows.dtype), comm, self._vrows)
+        vsum = self._vrows.sum(dim=0)
+        # partial <sum_r v_r, g_i> and |g_i|^2 of each finite candidate on this slice in one float64-
+        # accumulating pass (pdv_ext.kernels), summed over the slices in rank order (identical everywhere)
         good = torch.nonzero(finite).flatten()
-        dot, g2, _ = kernels.adasum_dots([stack[i] for i in good.tolist()], [v] * len(good))
-        scores = torch.zeros(m, dtype=torch.float64)
-        scores[good] = opt.gamma * dot - opt.rho * g2
-        # a score that over/underflowed counts as the worst finite score; agree on one choice by averaging
-        # the scores over the group (the finite mask is identical everywhere: it comes from the gather)
-        scores = torch.nan_to_num(scores, nan=-1e300, posinf=-1e300, neginf=-1e300)
-        scores = torch.where(finite, scores, torch.zeros_like(scores))
-        comm.all_reduce(scores, "sum")
-        scores = torch.where(finite, scores / m, torch.full_like(scores, float("-inf")))
+        dot, g2, _ = kernels.adasum_dots([rows[i] for i in good.tolist()], [vsum] * len(good))
+        part = torch.zeros(2, m, dtype=torch.float64)
+        part[0, good], part[1, good] = dot.cpu(), g2.cpu()
+        dot, g2 = sum_partials(part, comm)
+        # the group-averaged score gamma <mean_r v_r, g_i> - rho |g_i|^2; an over/underflowed one counts as
+        # the worst finite score; non-finite candidates score -inf
+        scores = torch.nan_to_num(opt.gamma * dot / m - opt.rho * g2, nan=-1e300, posinf=-1e300, neginf=-1e300)
+        scores = torch.where(finite, scores, torch.full_like(scores, float("-inf")))
         n_keep = max(1, min(m - b, int(finite.sum())))
         order = torch.argsort(scores, descending=True, stable=True)
         keep, drop = order[:n_keep], order[n_keep:]
-        out = stack[int(keep[0])].clone()  # the mean of the kept rows, without copying them out first
+        out = rows[int(keep[0])].clone()  # the mean of the kept rows on this slice, without copying them out
         for i in keep[1:].tolist():
-            out.add_(stack[i])
+            out.add_(rows[i])
         out.div_(n_keep)
         self.report = {"dropped": sorted(int(i) for i in drop), "nonfinite": bad_ranks(finite),
                        "scores": [float(x) for x in scores]}
-        return write_back(out, grads)
+        return self.finish_slices(out, grads, comm)
 
     def state_dict(self):
         return {**super().state_dict(), "v": self._v, "v_step": self._v_step}
