@@ -53,8 +53,8 @@ from .profile import Profile
 
 # communication pattern of each aggregator's data-parallel reduction
 AGGREGATOR_PATTERN = {"mean": "ring", "sum": "ring", "ring": "ring", "adasum": "halving_doubling",
-                      "gossip": "gossip", "zeno": "gather", "suspicion": "gather", "median": "gather",
-                      "trimmed_mean": "gather"}
+                      "gossip": "gossip", "zeno": "sliced_validation", "suspicion": "sliced", "median": "sliced",
+                      "trimmed_mean": "sliced"}
 OPTIMIZER_STATE_FACTOR = 4.0  # weights + grads + Adam m, v
 
 
@@ -164,8 +164,10 @@ def reduce_coeffs(cluster: Cluster, group: Sequence[int], pattern: str, crossing
         return 2 * math.ceil(math.log2(w)) * lat, 2 * (w - 1) / w / bw
     if pattern == "gossip":
         return gossip_peers * lat, gossip_peers * gossip_ratio / bw
-    if pattern == "gather":
-        return (w - 1) * lat, (w - 1) / bw
+    if pattern == "sliced":  # all-to-all of 1/w slices + all-gather of the results: a ring all-reduce's bytes
+        return 2 * (w - 1) * lat, 2 * (w - 1) / w / bw
+    if pattern == "sliced_validation":  # the same plus an all-to-all of the validation gradients (zeno)
+        return 3 * (w - 1) * lat, 3 * (w - 1) / w / bw
     raise ValueError(f"unknown reduction pattern '{pattern}'")
 
 
