@@ -61,11 +61,14 @@ class Zeno(RobustAggregator):
         self._v: Optional[torch.Tensor] = None
         self._v_step = -1
         self._vrows: Optional[torch.Tensor] = None  # every rank's v on this rank's slice, reused
+        self._v_version = 0       # bumped whenever v changes
+        self._vrows_version = -1  # the version _vrows was scattered from
 
     def set_validation_grads(self, grads: List[torch.Tensor]) -> None:
         """Hand over this rank's validation gradient (same tensors/order as the gradients aggregated)."""
         self._v = flatten_as([g.detach() for g in grads], flat_dtype(grads))  # scored in float64 (kernels)
         self._v_step = self.step
+        self._v_version += 1
 
     def needs_refresh(self) -> bool:
         return self._v is None or self.step - self._v_step >= self.options.refresh_every
@@ -86,8 +89,15 @@ class Zeno(RobustAggregator):
             raise ValueError(f"zeno: validation gradient has {self._v.numel()} elements, gradients {n}")
         rows, finite = self.slices(grads, comm)  # every candidate's entries of this rank's slice
         require_some_finite(finite, "zeno", self.step)
-        # every rank's validation gradient on this slice, summed: the group's mean v, times m
-        self._vrows = scatter_slices(self._v.to(rows.dtype), comm, self._vrows)
+        # every rank's validation gradient on this slice, summed: the group's mean v, times m. Scattered
+        # again only when some rank's v changed since (agreed: the scatter is collective); between
+        # refreshes (Zeno++'s stale v, refresh_every > 1) the slices are reused
+        changed = torch.tensor([float(self._vrows_version != self._v_version or self._vrows is None
+                                      or self._vrows.shape != rows.shape or self._vrows.dtype != rows.dtype)])
+        comm.all_reduce(changed, "sum")
+        if float(changed) > 0:
+            self._vrows = scatter_slices(self._v.to(rows.dtype), comm, self._vrows)
+            self._vrows_version = self._v_version
         vsum = self._vrows.sum(dim=0)
         # partial <sum_r v_r, g_i> and |g_i|^2 of each finite candidate on this slice in one float64-
         # accumulating pass (pdv_ext.kernels), summed over the slices in rank order (identical everywhere)
@@ -118,3 +128,4 @@ class Zeno(RobustAggregator):
         super().load_state_dict(state)
         self._v = state.get("v")
         self._v_step = int(state.get("v_step", -1))
+        self._v_version += 1

@@ -202,3 +202,30 @@ def test_fewer_coordinates_than_ranks(spec):
                           atol=0.05)
     if spec["type"] in ("suspicion", "zeno"):
         assert res[0][1]["dropped"] == [1]
+
+
+def test_zeno_reuses_scattered_validation_until_any_rank_refreshes():
+    """The validation slices are scattered again only when some rank's v changed (agreed collectively): a
+    refresh on one rank alone neither hangs nor is missed, and stale steps score like a fresh aggregator."""
+    m = 4
+    v0, v1 = grads_of(0, seed=7), [-x for x in grads_of(0, seed=7)]
+
+    def fn(comm):
+        agg = build_aggregator({"type": "zeno", "b": 1})
+        agg.set_validation_grads(v0)
+        reps = []
+        for step in range(3):
+            if step == 2 and comm.rank == 0:
+                agg.set_validation_grads(v1)
+            agg(grads_of(comm.rank, seed=step), comm)
+            reps.append(agg.report["scores"])
+        fresh = build_aggregator({"type": "zeno", "b": 1})
+        fresh.set_validation_grads(v1 if comm.rank == 0 else v0)
+        fresh(grads_of(comm.rank, seed=2), comm)
+        return reps, fresh.report["scores"]
+
+    res = run_threads(m, fn)
+    for reps, fresh_scores in res:
+        assert reps == res[0][0]
+        assert reps[2] == fresh_scores  # the refreshed v of rank 0 was used
+    assert res[0][0][2] != res[0][0][1]
