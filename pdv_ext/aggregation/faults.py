@@ -23,7 +23,7 @@ from ..comm.base import Comm
 from ..registry import load_object
 from .faults_config import ATTACKS, FaultsConfig
 from .base import all_finite  # noqa: F401  (re-exported: pdv_ext.aggregation.faults.all_finite)
-from .robust import flatten_as
+from .robust import flat_dtype, flatten_as
 
 
 @dataclasses.dataclass
@@ -155,7 +155,7 @@ class FaultInjector:
 
     @staticmethod
     def _gather(grads: List[torch.Tensor], comm: Comm) -> List[List[torch.Tensor]]:
-        flat = flatten_as(grads, torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32)
+        flat = flatten_as(grads, flat_dtype(grads))
         out = []
         for f in comm.all_gather(flat):
             parts, off = [], 0

@@ -60,9 +60,10 @@ class Zeno(RobustAggregator):
         self.validation_fn = validation_fn
         self._v: Optional[torch.Tensor] = None
         self._v_step = -1
-        self._vrows: Optional[torch.Tensor] = None  # every rank's v on this rank's slice, reused
+        self._vrows: Optional[torch.Tensor] = None  # every rank's v on this rank's slice (scatter buffer)
+        self._vsum: Optional[torch.Tensor] = None   # their sum: what the scores use
         self._v_version = 0       # bumped whenever v changes
-        self._vrows_version = -1  # the version _vrows was scattered from
+        self._vsum_version = -1   # the version _vsum was computed from
 
     def set_validation_grads(self, grads: List[torch.Tensor]) -> None:
         """Hand over this rank's validation gradient (same tensors/order as the gradients aggregated)."""
@@ -92,13 +93,13 @@ class Zeno(RobustAggregator):
         # every rank's validation gradient on this slice, summed: the group's mean v, times m. Scattered
         # again only when some rank's v changed since (agreed: the scatter is collective); between
         # refreshes (Zeno++'s stale v, refresh_every > 1) the slices are reused
-        changed = torch.tensor([float(self._vrows_version != self._v_version or self._vrows is None
-                                      or self._vrows.shape != rows.shape or self._vrows.dtype != rows.dtype)])
+        changed = torch.tensor([float(self._vsum_version != self._v_version or self._vsum is None
+                                      or self._vsum.shape != rows.shape[1:] or self._vsum.dtype != rows.dtype)])
         comm.all_reduce(changed, "sum")
         if float(changed) > 0:
             self._vrows = scatter_slices(self._v.to(rows.dtype), comm, self._vrows)
-            self._vrows_version = self._v_version
-        vsum = self._vrows.sum(dim=0)
+            self._vsum, self._vsum_version = self._vrows.sum(dim=0), self._v_version
+        vsum = self._vsum
         # partial <sum_r v_r, g_i> and |g_i|^2 of each finite candidate on this slice in one float64-
         # accumulating pass (pdv_ext.kernels), summed over the slices in rank order (identical everywhere)
         good = torch.nonzero(finite).flatten()
