@@ -148,3 +148,22 @@ def test_fallback_selected_by_env(monkeypatch):
     s = torch.randn(3, 10)
     same(K.coordinate_median(s), K.coordinate_median_torch(s))
     assert math.isfinite(float(K.trimmed_mean(s, 1).sum()))
+
+
+def test_dots_same_bits_portable_and_native_build(cpp, monkeypatch, tmp_path):
+    """The AVX loop of adasum_dots is the portable loop written out: a build without -march=native must
+    give the same bits (only the float64 sums' tree is fixed, so any lane mix-up would show)."""
+    g = torch.Generator().manual_seed(5)
+    a = [torch.randn(n, generator=g) * 3 for n in (0, 5, 8, 9, 40000, 100003)]
+    b = [torch.randn(n, generator=g) for n in (0, 5, 8, 9, 40000, 100003)]
+    a64, b64 = [x.double() for x in a], [y.double() for y in b]
+    native = cpp.adasum_dots(a, b), cpp.adasum_dots(a64, b64)
+    monkeypatch.setattr(K, "_state", {"tried": False, "module": None, "reason": ""})
+    monkeypatch.setenv("PDV_KERNELS_NATIVE", "0")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    if K.backend() != "cpp":
+        pytest.skip(f"portable build failed: {K._state['reason']}")
+    portable = K.adasum_dots(a, b), K.adasum_dots(a64, b64)
+    for n3, p3 in zip(native, portable):
+        for x, y in zip(n3, p3):
+            same(x, y)
