@@ -6,11 +6,14 @@ run), data-parallel over the ranks (one pipeline stage).
 Task (why this one): the byte-level GPT of the demo (pdv_ext.models.gpt_layers: 2 blocks, hidden 64, 4
 heads, 32-byte windows) on CPython's `pydoc_data.topics` text, every window of the first 90% as training
 data (one epoch is ~420k windows; the runs stay inside it), 1024 fixed windows of the last 10% held out.
-It is the regime the policy is designed for (McCandlish et al. 2018): the gradient noise scale grows as
-the loss falls (measured ~5-30 samples at the start, ~150 at 1.40 nats), and the step is compute-bound
-(T(B) ~ 8.5 ms + 0.26 ms x B on this 2-core machine, 2 ranks), so a big batch is wasted early and
-needed late. The previous task (an MLP on digits) reached its target within ~5 epochs, before the noise
-scale mattered, and over-fitted soon after (the noise-scale estimate there is mostly undefined).
+It was chosen as the regime the policy is designed for (McCandlish et al. 2018): the gradient noise scale
+grows as the loss falls (measured ~5-30 samples at the start, ~150 at 1.40 nats), and the step is
+compute-bound (T(B) ~ 8.5 ms + 0.26 ms x B on this 2-core machine, 2 ranks), so a big batch should be
+wasted early and needed late. Hand-written schedules (`--schedule`) say otherwise here: starting at 16
+and switching to 256 after 150 steps needs as many samples as 256 throughout (2026-11-23: ~100k either
+way), so no schedule within [16, 256] tried beat fixed 256 (docs/benchmarks.md). The previous task (an
+MLP on digits) reached its target within ~5 epochs, before the noise scale mattered, and over-fitted soon
+after (the noise-scale estimate there is mostly undefined).
 
 Runs: fixed global batches B in `--batches` (default 16, 64, 256: the adaptive run's start and maximum
 and their geometric middle) with Adam at lr x rule(B / B_min) (`--lr-rule`, default sqrt, the rule
@@ -27,17 +30,21 @@ because the measured noise scale under-predicts how well big batches do here (25
 of 16, the noise scale predicts ~3x): ratio ~1.0, target 0.8 missed. Adam-preconditioned noise scale
 (Pollux) was tried and dropped: heavy-tailed (10^4-10^5 within 100 steps, from rarely seen embedding rows).
 
+`--schedule 16,150:256` (repeatable) adds a run that follows a fixed batch schedule with the same LR
+rule: what a schedule chosen in hindsight achieves, the yardstick for the policy's ratio.
+
 JSON: {"fixed": [{"batch", "seconds_to_target", "steps_to_target", "samples_to_target"}, ...],
 "adaptive_seconds_to_target", "ratio", "monitor_overhead", "adaptive_steps_to_target", "adaptive_batches"
 ([step, batch] at each change), "adaptive_samples_to_target", "adaptive_trace" ([step, batch, gns, step ms,
-slowest rank's forward + backward ms] every 50 steps), "target_loss", ...}
+slowest rank's forward + backward ms] every 50 steps), "schedules" ([{"schedule", "seconds_to_target",
+"steps_to_target", "samples_to_target", "ratio"}]; empty without --schedule), "target_loss", ...}
 """
 from __future__ import annotations
 
 import json
 import math
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from .common import emit, log, median, parser
 
@@ -167,17 +174,26 @@ def rank_main(**args: Any) -> Dict[str, Any]:
     for _ in range(5):
         warm.train_batch(data_iter=warm_data)
     del warm
-    runs = [("fixed", b) for b in args["batches"]]
+    runs: List[Any] = [("fixed", b) for b in args["batches"]]
     runs.insert(1, ("adaptive", b0))  # interleave: contention drifts over the run
+    runs += [("schedule", sch) for sch in args.get("schedules", [])]
     if args.get("overhead_only"):
         runs = []
     if args.get("only"):  # e.g. "adaptive" or "16,adaptive": a subset of the runs (no ratio without the fixed ones)
         keep = args["only"].split(",")
-        runs = [r for r in runs if (r[0] if r[0] == "adaptive" else str(r[1])) in keep]
+        runs = [r for r in runs if r[0] == "schedule" or (r[0] if r[0] == "adaptive" else str(r[1])) in keep]
+    out["schedules"] = []
     for kind, batch in runs:
+        sched = None
+        if kind == "schedule":  # [(first step, global batch), ...]: the same rule applied at fixed steps
+            sched, batch = batch, batch[0][1]
         lr = args["lr"] * lr_factor(args["lr_rule"], b0, batch)  # the adaptive run's rule, from (b0, lr)
         if kind == "fixed":
             eng = _engine(args, batch // dp, lr)
+        elif kind == "schedule":
+            changes = [{"step": step, "micro_batch_size": b // dp, "lr_rule": args["lr_rule"]} for step, b in sched[1:]]
+            eng = _engine(args, batch // dp, lr, [{"name": "schedule", "changes": changes}], monitor=False,
+                          every=args["interval"])
         else:  # the policy's defaults, but for the limits of this run
             plugins = [{"name": "gns_batch_size", "max_batch_size": args["batches"][-1], "grow": "micro_batch_size",
                         "lr_rule": args["lr_rule"], **args["policy"]}]
@@ -188,6 +204,9 @@ def rank_main(**args: Any) -> Dict[str, Any]:
         if kind == "fixed":
             out["fixed"].append({"batch": batch, "seconds_to_target": res["seconds"], "steps_to_target": res["steps"],
                                  "samples_to_target": res["samples"], "final_loss": res["loss"]})
+        elif kind == "schedule":
+            out["schedules"].append({"schedule": [list(x) for x in sched], "seconds_to_target": res["seconds"],
+                                     "steps_to_target": res["steps"], "samples_to_target": res["samples"]})
         else:
             out["adaptive_seconds_to_target"] = res["seconds"]
             out["adaptive_steps_to_target"] = res["steps"]
@@ -224,6 +243,23 @@ def rank_main(**args: Any) -> Dict[str, Any]:
     return out
 
 
+def parse_schedule(text: str, ranks: int) -> List[Tuple[int, int]]:
+    """'16,150:256' -> [(0, 16), (150, 256)]: (first step after which the batch applies, global batch)."""
+    try:
+        first, *rest = text.split(",")
+        sch = [(0, int(first))]
+        for part in rest:
+            step, batch = part.split(":")
+            sch.append((int(step), int(batch)))
+    except ValueError:
+        raise ValueError(f"--schedule {text!r}: expected B0,STEP:B1,... (e.g. 16,150:256)") from None
+    if any(b <= 0 or b % ranks for _, b in sch):
+        raise ValueError(f"--schedule {text!r}: every batch must be a positive multiple of --ranks ({ranks})")
+    if any(s2 <= s1 for (s1, _), (s2, _) in zip(sch, sch[1:])):
+        raise ValueError(f"--schedule {text!r}: the steps must increase")
+    return sch
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = parser("adaptive", __doc__)
     ap.add_argument("--quick", action="store_true", help="small budget (smoke test)")
@@ -244,13 +280,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=1500)
     ap.add_argument("--overhead-only", action="store_true", help="only measure the monitor overhead")
     ap.add_argument("--only", default="", help="comma-separated subset of the runs, e.g. 'adaptive' or '64,adaptive'")
+    ap.add_argument("--schedule", action="append", default=[], metavar="B0,STEP:B1,...",
+                    help="also run a hand-written batch schedule, e.g. '16,150:256' (16, then 256 after step 150; "
+                         "LR by --lr-rule at each change): what a schedule chosen in hindsight achieves (repeatable)")
     a = ap.parse_args(argv)
+    try:
+        schedules = [parse_schedule(text, a.ranks) for text in a.schedule]
+    except ValueError as exc:
+        ap.error(str(exc))
     args = {"batches": sorted(a.batches), "target": a.target, "lr": a.lr, "lr_rule": a.lr_rule, "hidden": a.hidden,
             "layers": a.layers, "heads": a.heads, "seq_len": a.seq_len, "held_out": a.held_out,
             "eval_every": a.eval_every, "max_samples": a.max_samples, "seed": a.seed,
             "policy": {},  # gns_batch_size's defaults (interval 10, warmup 20, min_gain 0.05, ...)
             "interval": 10, "overhead_blocks": 12, "overhead_steps": 10, "overhead_only": a.overhead_only,
-            "only": a.only}
+            "only": a.only, "schedules": schedules}
     if a.quick:
         args.update(target=max(a.target, 2.2), max_samples=16_384, held_out=256, overhead_blocks=2, overhead_steps=5,
                     interval=5, policy={"interval": 5, "warmup_steps": 5})
@@ -280,6 +323,8 @@ def main(argv: Optional[List[str]] = None) -> int:
               "adaptive_gns_first_last": res.get("adaptive_gns_first_last"),
               "adaptive_trace": res.get("adaptive_trace"),
               "best_fixed_batch": best["batch"] if best else None,
+              "schedules": [{**x, "ratio": (x["seconds_to_target"] / best["seconds_to_target"])
+                             if (best and x["seconds_to_target"]) else None} for x in res.get("schedules", [])],
               "target_loss": args["target"], "ranks": a.ranks}
     emit(result, a.json)
     return 0
