@@ -61,15 +61,13 @@ class Zeno(RobustAggregator):
         self._v: Optional[torch.Tensor] = None
         self._v_step = -1
         self._vrows: Optional[torch.Tensor] = None  # every rank's v on this rank's slice (scatter buffer)
-        self._vsum: Optional[torch.Tensor] = None   # their sum: what the scores use
-        self._v_version = 0       # bumped whenever v changes
-        self._vsum_version = -1   # the version _vsum was computed from
+        self._vsum: Optional[torch.Tensor] = None   # their sum, what the scores use; None when v changed
 
     def set_validation_grads(self, grads: List[torch.Tensor]) -> None:
         """Hand over this rank's validation gradient (same tensors/order as the gradients aggregated)."""
         self._v = flatten_as([g.detach() for g in grads], flat_dtype(grads))  # scored in float64 (kernels)
         self._v_step = self.step
-        self._v_version += 1
+        self._vsum = None
 
     def needs_refresh(self) -> bool:
         return self._v is None or self.step - self._v_step >= self.options.refresh_every
@@ -93,12 +91,10 @@ class Zeno(RobustAggregator):
         # every rank's validation gradient on this slice, summed: the group's mean v, times m. Scattered
         # again only when some rank's v changed since (agreed: the scatter is collective); between
         # refreshes (Zeno++'s stale v, refresh_every > 1) the slices are reused
-        changed = torch.tensor([float(self._vsum_version != self._v_version or self._vsum is None
-                                      or self._vsum.shape != rows.shape[1:] or self._vsum.dtype != rows.dtype)])
-        comm.all_reduce(changed, "sum")
-        if float(changed) > 0:
+        stale = (self._vsum is None or self._vsum.shape != rows.shape[1:] or self._vsum.dtype != rows.dtype)
+        if comm.all_reduce_scalars([float(stale)])[0] > 0:
             self._vrows = scatter_slices(self._v.to(rows.dtype), comm, self._vrows)
-            self._vsum, self._vsum_version = self._vrows.sum(dim=0), self._v_version
+            self._vsum = self._vrows.sum(dim=0)
         vsum = self._vsum
         # partial <sum_r v_r, g_i> and |g_i|^2 of each finite candidate on this slice in one float64-
         # accumulating pass (pdv_ext.kernels), summed over the slices in rank order (identical everywhere)
@@ -129,4 +125,4 @@ class Zeno(RobustAggregator):
         super().load_state_dict(state)
         self._v = state.get("v")
         self._v_step = int(state.get("v_step", -1))
-        self._v_version += 1
+        self._vsum = None

@@ -161,7 +161,7 @@ class ChainDP:
                 cand[r > r_cap] = INF
             j = cand.argmin(axis=1)
             cur.fill(INF)
-            cand.min(axis=1, out=cur[l[0]:l[-1] + 1])
+            cur[l[0]:l[-1] + 1] = np.take_along_axis(cand, j[:, None], axis=1)[:, 0]  # the argmin's value
             choice.append(j)  # the start of stage s ending at l is K[l - l0, j[l - l0]]
             prev, cur = cur, prev
         if not math.isfinite(prev[self.L]):
