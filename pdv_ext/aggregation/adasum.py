@@ -5,7 +5,9 @@ where that squared norm is below `eps`): orthogonal gradients add, identical one
 the combination is the tree of Horovod's AdasumMPI: recursive vector-halving / distance-doubling. The
 tensors are treated as one virtual flat buffer (their concatenation) but never copied into one: pieces of
 the gradients themselves are sent (`Comm.exchange` takes lists of tensors), partner halves land in one
-scratch buffer, and the combination is written back into the gradients. At the level of distance d,
+scratch buffer, and the combination is written back into the gradients. Small tensors (biases, norms)
+are copied into one pack first and travel as one message: a message costs tens of microseconds of CPU
+under gloo whatever its size; each packed tensor still gets its own coefficients. At the level of distance d,
 partners r and r^d swap halves of their current slice, compute partial dot products and squared norms of
 each tensor on the half they keep (float64, `pdv_ext.kernels`), sum those few scalars over the block of 2d
 ranks that now jointly hold the two subtrees' results (recursive doubling inside the block), and combine.
@@ -68,32 +70,57 @@ class Adasum(Aggregator):
 
 
 class _Virtual:
-    """Contiguous tensors seen as one flat buffer (their concatenation), without copying them into one."""
+    """Contiguous tensors seen as one flat buffer (their concatenation), without copying them into one.
 
-    def __init__(self, tensors: Sequence[torch.Tensor]):
-        self.views = [t.view(-1) for t in tensors]
-        self.offsets = [0]
-        for v in self.views:
-            self.offsets.append(self.offsets[-1] + v.numel())
+    `chunks` tile the same buffer in the same order, each contiguous in memory (by default the tensors
+    themselves): messages are cut at chunk boundaries, so tensors packed into one chunk travel as one
+    message, while dot products and combinations still go tensor by tensor."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], chunks: Sequence[torch.Tensor] = ()):
+        self.views, self.offsets = _layout(tensors)
+        self.chunk_views, self.chunk_offsets = _layout(chunks) if chunks else (self.views, self.offsets)
         self.n = self.offsets[-1]
+        if self.chunk_offsets[-1] != self.n:
+            raise ValueError(f"adasum: chunks hold {self.chunk_offsets[-1]} elements, the tensors {self.n}")
 
     def segments(self, lo: int, hi: int) -> Segs:
         """The pieces of each tensor inside [lo, hi) (empty pieces left out)."""
-        out: Segs = []
-        if hi <= lo:
-            return out
-        offsets = self.offsets
-        t = bisect.bisect_right(offsets, lo) - 1
-        while t < len(offsets) - 1 and offsets[t] < hi:
-            s, e = max(lo, offsets[t]), min(hi, offsets[t + 1])
-            if e > s:
-                out.append((t, s, e))
-            t += 1
-        return out
+        return _cut(self.offsets, lo, hi)
 
     def pieces(self, segs: Segs) -> List[torch.Tensor]:
         """Views of the tensors for `segs`."""
         return [self.views[t][s - self.offsets[t]:e - self.offsets[t]] for t, s, e in segs]
+
+    def messages(self, lo: int, hi: int) -> List[torch.Tensor]:
+        """Views of the chunks inside [lo, hi): what is sent, or received in place."""
+        offs = self.chunk_offsets
+        return [self.chunk_views[c][s - offs[c]:e - offs[c]] for c, s, e in _cut(offs, lo, hi)]
+
+    def message_bounds(self, lo: int, hi: int) -> List[Tuple[int, int]]:
+        """Flat [start, end) of each message for [lo, hi): where it lands in a scratch buffer."""
+        return [(s, e) for _, s, e in _cut(self.chunk_offsets, lo, hi)]
+
+
+def _layout(tensors: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], List[int]]:
+    views = [t.view(-1) for t in tensors]
+    offsets = [0]
+    for v in views:
+        offsets.append(offsets[-1] + v.numel())
+    return views, offsets
+
+
+def _cut(offsets: List[int], lo: int, hi: int) -> Segs:
+    """(index, start, end) of each item of `offsets` overlapping [lo, hi), empty pieces left out."""
+    out: Segs = []
+    if hi <= lo:
+        return out
+    t = bisect.bisect_right(offsets, lo) - 1
+    while t < len(offsets) - 1 and offsets[t] < hi:
+        s, e = max(lo, offsets[t]), min(hi, offsets[t + 1])
+        if e > s:
+            out.append((t, s, e))
+        t += 1
+    return out
 
 
 def _coefficients(dot: torch.Tensor, mine: torch.Tensor, other: torch.Tensor, eps: float):
@@ -118,13 +145,32 @@ def _block_sum(part: torch.Tensor, comm: Comm, rank: int, block: int, active: bo
     return part
 
 
+#: tensors up to this many elements (biases, norms) are packed into one buffer and travel as one message:
+#: every point-to-point message costs tens of microseconds of CPU under gloo, whatever its size
+PACK_NUMEL = 1 << 16
+
+
 def adasum_tensors(tensors: Sequence[torch.Tensor], comm: Comm, eps: float = 1e-8,
                    scratch: torch.Tensor = None) -> Sequence[torch.Tensor]:
     """Adasum of each of `tensors` (contiguous, one dtype) across `comm`, in place; returns `tensors`."""
-    size, rank = comm.size, comm.rank
-    if size == 1 or not tensors:
+    if comm.size == 1 or not tensors:
         return tensors
-    buf = _Virtual(tensors)
+    small = [t for t in tensors if t.numel() <= PACK_NUMEL]
+    if len(small) < 2:
+        _adasum_virtual(_Virtual(tensors), comm, eps, scratch)
+        return tensors
+    # same shapes on every rank -> the same packing everywhere; the small tensors go first, packed
+    large = [t for t in tensors if t.numel() > PACK_NUMEL]
+    pack = torch.cat([t.reshape(-1) for t in small])
+    packed = list(torch.split(pack, [t.numel() for t in small]))
+    _adasum_virtual(_Virtual(packed + large, [pack] + large), comm, eps, scratch)
+    for t, v in zip(small, packed):
+        t.view(-1).copy_(v)
+    return tensors
+
+
+def _adasum_virtual(buf: _Virtual, comm: Comm, eps: float, scratch: torch.Tensor = None) -> None:
+    size, rank = comm.size, comm.rank
     n, n_t = buf.n, len(buf.views)
     recv = scratch if scratch is not None else torch.empty(n, dtype=buf.views[0].dtype, device=buf.views[0].device)
     if recv.numel() != n:
@@ -132,6 +178,9 @@ def adasum_tensors(tensors: Sequence[torch.Tensor], comm: Comm, eps: float = 1e-
 
     def into_recv(segs: Segs) -> List[torch.Tensor]:
         return [recv[s:e] for _, s, e in segs]
+
+    def recv_messages(lo: int, hi: int) -> List[torch.Tensor]:
+        return [recv[s:e] for s, e in buf.message_bounds(lo, hi)]
 
     def combine(segs: Segs, ca: torch.Tensor, cb: torch.Tensor) -> None:
         if segs:
@@ -145,9 +194,9 @@ def adasum_tensors(tensors: Sequence[torch.Tensor], comm: Comm, eps: float = 1e-
     # fold in: rank p2+i hands its gradient to rank i, which combines the two locally
     everything = buf.segments(0, n)
     if rank >= p2:
-        comm.exchange({rank - p2: buf.pieces(everything)}, {})
+        comm.exchange({rank - p2: buf.messages(0, n)}, {})
     elif rank < extra:
-        comm.exchange({}, {rank + p2: into_recv(everything)})
+        comm.exchange({}, {rank + p2: recv_messages(0, n)})
         dot, mine, other = kernels.adasum_dots(buf.pieces(everything), into_recv(everything))
         combine(everything, *_coefficients(dot, mine, other, eps))
     else:
@@ -167,7 +216,7 @@ def adasum_tensors(tensors: Sequence[torch.Tensor], comm: Comm, eps: float = 1e-
             mid = lo + (hi - lo) // 2
             (klo, khi), (slo, shi) = ((lo, mid), (mid, hi)) if left else ((mid, hi), (lo, mid))
             segs = buf.segments(klo, khi)
-            comm.exchange({peer: buf.pieces(buf.segments(slo, shi))}, {peer: into_recv(segs)})
+            comm.exchange({peer: buf.messages(slo, shi)}, {peer: recv_messages(klo, khi)})
             if segs:
                 ts = torch.tensor([t for t, _, _ in segs])
                 dot, na, nb = kernels.adasum_dots(buf.pieces(segs), into_recv(segs))
@@ -192,19 +241,18 @@ def adasum_tensors(tensors: Sequence[torch.Tensor], comm: Comm, eps: float = 1e-
             dist, plo, phi = kept[level]
             peer = rank ^ dist
             olo, ohi = (hi, phi) if (rank & dist) == 0 else (plo, lo)
-            comm.exchange({peer: buf.pieces(buf.segments(lo, hi))}, {peer: buf.pieces(buf.segments(olo, ohi))})
+            comm.exchange({peer: buf.messages(lo, hi)}, {peer: buf.messages(olo, ohi)})
             lo, hi = plo, phi
         else:
             comm.exchange({}, {})
 
     # fold out
     if rank >= p2:
-        comm.exchange({}, {rank - p2: buf.pieces(everything)})
+        comm.exchange({}, {rank - p2: buf.messages(0, n)})
     elif rank < extra:
-        comm.exchange({rank + p2: buf.pieces(everything)}, {})
+        comm.exchange({rank + p2: buf.messages(0, n)}, {})
     else:
         comm.exchange({}, {})
-    return tensors
 
 
 def adasum_flat(buf: torch.Tensor, sizes: List[int], comm: Comm, eps: float = 1e-8,

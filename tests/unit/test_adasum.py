@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pdv_ext.aggregation import build_aggregator
-from pdv_ext.aggregation.adasum import adasum_flat
+from pdv_ext.aggregation.adasum import PACK_NUMEL, adasum_flat
 from tests.unit.test_agg_threadcomm import run_threads
 
 SHAPES = [(7, 3), (5,), (1,), (64, 33), (2, 2, 2)]
@@ -49,6 +49,23 @@ def test_matches_reference_tree_and_replicas_identical(size):
         for x, y in zip(out[0], out[r]):
             assert torch.equal(x, y)  # bit-identical replicas
     for t in range(len(SHAPES)):
+        ref = tree([per_rank[r][t].reshape(-1) for r in range(size)])
+        torch.testing.assert_close(out[0][t].reshape(-1).double(), ref, rtol=2e-5, atol=1e-6)
+
+
+MIXED = [(5,), (300, 300), (7, 3), (1,), (70_000,), (2, 2)]  # small ones are packed, large ones are not
+
+
+@pytest.mark.parametrize("size", [3, 4])
+def test_packed_small_tensors_keep_their_own_coefficients(size):
+    assert 300 * 300 > PACK_NUMEL and 70_000 > PACK_NUMEL  # both paths run
+    per_rank = rand_grads(size, seed=10 + size, shapes=MIXED)
+    out = run(per_rank, size)
+    for r in range(1, size):
+        for x, y in zip(out[0], out[r]):
+            assert torch.equal(x, y)
+    for t, shape in enumerate(MIXED):
+        assert out[0][t].shape == shape
         ref = tree([per_rank[r][t].reshape(-1) for r in range(size)])
         torch.testing.assert_close(out[0][t].reshape(-1).double(), ref, rtol=2e-5, atol=1e-6)
 
