@@ -1,7 +1,7 @@
 """Template for your own policy: copy this file, rename the class, change `after_step`.
 
-Use it from the config without packaging anything (the module must be importable, e.g. run from the
-repository root or put its folder on PYTHONPATH):
+Use it from the config without packaging anything (the module is looked up on sys.path, then in the
+working directory: run from the repository root, or put its folder on PYTHONPATH):
 
     "pdv": {"policy": {"plugins": [{"name": "launch.my_policy:PlateauLR", "patience": 20}]}}
 

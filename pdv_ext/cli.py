@@ -50,8 +50,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
         if not rest or rest[0].startswith("-"):
-            print("usage: pdv bench NAME [--json] ...; NAME is one of: " + ", ".join(BENCHES), file=sys.stderr)
-            return 2
+            asked = bool(rest) and rest[0] in ("-h", "--help")
+            print("usage: pdv bench NAME [--json] ...; NAME is one of: " + ", ".join(BENCHES)
+                  + "\n`pdv bench NAME --help` lists a benchmark's options", file=sys.stdout if asked else sys.stderr)
+            return 0 if asked else 2
         name = rest[0]
         if name not in BENCHES:
             from .registry import did_you_mean

@@ -6,6 +6,7 @@ the full key path (`pdv.aggregation.type: ...`) with a did-you-mean hint for mis
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from typing import Any, Dict, List, Optional, Tuple, Type, Union
@@ -119,22 +120,41 @@ def read_file(path: Union[str, os.PathLike]) -> Dict[str, Any]:
     return data
 
 
+def find_section(data: Dict[str, Any]) -> Tuple[Any, Dict[str, Any], List[str]]:
+    """(the pdv section, the rest of the config, errors about the top level) of a loaded config.
+
+    The section is `data["pdv"]`, or the whole file when its top level holds pdv sections (Horovod users'
+    YAML). DeepSpeed accepts unknown top-level keys silently, so a misspelt `"pdv"` or a pdv section put
+    beside DeepSpeed's keys would otherwise be dropped without a word: both are errors here.
+    """
+    sections = list(PDVConfig.model_fields)
+    found = [k for k in data if k in sections]
+    if "pdv" in data:
+        rest = {k: v for k, v in data.items() if k != "pdv"}
+        return data["pdv"], rest, [f"{k}: a pdv section outside \"pdv\" is not read; move it into \"pdv\""
+                                   for k in found]
+    if found:
+        others = [k for k in data if k not in sections]
+        errors = [f"{k}: not a pdv section{did_you_mean(k, sections)}; the config is read as a bare pdv section "
+                  f"(it has {', '.join(found)} at the top); in a DeepSpeed config put them under \"pdv\""
+                  for k in others]
+        return {k: data[k] for k in found}, {}, errors
+    errors = [f"{k}: unknown top-level key (did you mean 'pdv'?); the pdv settings would be ignored"
+              for k in data if difflib.get_close_matches(str(k).lower(), ["pdv"], n=1, cutoff=0.6)]
+    return {}, dict(data), errors
+
+
 def split_config(config: Union[None, str, os.PathLike, Dict[str, Any]]) -> Tuple[Dict[str, Any], PDVConfig]:
     """DeepSpeed config (path or dict) -> (DeepSpeed dict without `"pdv"`, validated PDVConfig).
 
     Raises ConfigError with every problem at once. A file holding only the pdv section (Horovod users'
-    YAML) may also put it at top level: keys of PDVConfig at the top are taken as the section.
+    YAML) may also put it at top level (see `find_section`).
     """
     data = read_file(config) if isinstance(config, (str, os.PathLike)) else dict(config or {})
-    if "pdv" in data:
-        section = data.pop("pdv")
-    elif data and set(data) <= set(PDVConfig.model_fields):
-        section, data = data, {}
-    else:
-        section = {}
-    cfg, errors = validate_pdv(section)
-    if errors:
-        raise ConfigError(errors)
+    section, data, errors = find_section(data)
+    cfg, more = validate_pdv(section)
+    if errors or more:
+        raise ConfigError(errors + more)
     assert cfg is not None
     return data, cfg
 
@@ -152,8 +172,5 @@ def check_file(path: str) -> List[str]:
         data = read_file(path)
     except ConfigError as exc:
         return exc.errors
-    if "pdv" not in data and data and set(data) <= set(PDVConfig.model_fields):
-        section = data
-    else:
-        section = data.get("pdv", {})
-    return validate_pdv(section)[1]
+    section, _, errors = find_section(data)
+    return errors + validate_pdv(section)[1]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.metadata
+import os
+import sys
 import threading
 from typing import Any, Callable, Dict, Generic, Iterable, List, Optional, TypeVar
 
@@ -35,7 +37,7 @@ def load_object(spec: str) -> Any:
     if not module_name or not attr:
         raise RegistryError(f"'{spec}' is not of the form 'module:attribute'")
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: Any = _import_from_cwd_too(module_name)
     except ImportError as exc:
         raise RegistryError(f"cannot import module '{module_name}' for '{spec}': {exc}") from exc
     for part in attr.split("."):
@@ -44,6 +46,26 @@ def load_object(spec: str) -> Any:
         except AttributeError as exc:
             raise RegistryError(f"module '{module_name}' has no attribute '{attr}' (from '{spec}')") from exc
     return obj
+
+
+def _import_from_cwd_too(module_name: str) -> Any:
+    """Import a module; when its top-level package is not found, look in the working directory too (last,
+    so it shadows nothing), as `uvicorn module:app` does: `"launch.my_policy:PlateauLR"` then works from
+    the repository root whether the entry point is `pdv`, `deepspeed` or `python launch/train_gpt.py`."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        cwd = os.getcwd()
+        if exc.name != module_name.split(".")[0] or cwd in sys.path or "" in sys.path:
+            raise
+        sys.path.append(cwd)
+        importlib.invalidate_caches()
+        try:
+            return importlib.import_module(module_name)
+        except ModuleNotFoundError as again:
+            if again.name == exc.name:  # not there either: leave sys.path as it was
+                sys.path.remove(cwd)
+            raise
 
 
 class Registry(Generic[T]):

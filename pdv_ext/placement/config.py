@@ -8,6 +8,11 @@ from pydantic import Field, field_validator, model_validator
 from ..config_base import StrictModel
 
 
+#: options of planning at start-up: without `cluster` nothing would read them
+_PLANNING_KEYS = ("profile", "solver", "num_stages", "micro_batches", "schedule", "aggregator", "solver_options",
+                  "input_shape", "input_dtype", "input_high", "profile_reps")
+
+
 class PlacementConfig(StrictModel):
     """`pdv.placement`.
 
@@ -16,8 +21,7 @@ class PlacementConfig(StrictModel):
     - `rank_mapping`: per stage, the global ranks of its data-parallel replicas, e.g. `[[0, 3], [1, 2]]`.
     - `plan`: a plan JSON written by `pdv plan` (boundaries + mapping), or
     - `cluster` + `solver` (+ `profile`): plan at start-up (rank 0 plans and broadcasts).
-    - `num_stages` (default: the PipelineModule's), `micro_batches` (default: gradient accumulation steps
-      when known, else 2 x stages), `schedule` (`1f1b` or `gpipe`), `aggregator` (reduction pattern the
+    - `num_stages` (default: the PipelineModule's), `micro_batches` (default: 2 x stages), `schedule` (`1f1b` or `gpipe`), `aggregator` (reduction pattern the
       cost model assumes; default `mean`), `solver_options` (keyword arguments of the solver).
     - Profiling at start-up when `profile` is absent or names a missing file (it is then written):
       `input_shape` (micro-batch input, e.g. `[4, 16]`), `input_dtype` (`float32` or `int64`),
@@ -78,6 +82,10 @@ class PlacementConfig(StrictModel):
         if self.cluster is not None and (self.plan is not None or self.boundaries is not None
                                          or self.rank_mapping is not None):
             raise ValueError("give either 'cluster' (plan at start-up) or 'plan'/'boundaries'/'rank_mapping'")
+        idle = [k for k in _PLANNING_KEYS if k in self.model_fields_set]
+        if self.cluster is None and idle:
+            raise ValueError(f"{', '.join(idle)} only apply when planning at start-up: give 'cluster' too "
+                             "(or use a plan written by `pdv plan`)")
         return self
 
 

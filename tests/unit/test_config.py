@@ -82,3 +82,54 @@ def test_initialize_rejects_bad_config_before_any_process_group():
         pdv_ext.initialize(model=object(), config={"train_batch_size": 8, "pdv": {"aggregation": {"type": "nope"}}})
     assert "pdv.aggregation.type" in str(exc.value)
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("data, expected", [
+    # DeepSpeed ignores unknown top-level keys: these would silently drop the pdv settings
+    ({"train_batch_size": 8, "pvd": {"aggregation": {"type": "adasum"}}},
+     "pvd: unknown top-level key (did you mean 'pdv'?)"),
+    ({"train_batch_size": 8, "aggregation": {"type": "adasum"}}, "train_batch_size: not a pdv section"),
+    ({"aggregation": {"type": "adasum"}, "polcy": {}}, "polcy: not a pdv section (did you mean 'policy'?)"),
+    ({"train_batch_size": 8, "pdv": {}, "policy": {}}, "policy: a pdv section outside \"pdv\" is not read"),
+])
+def test_top_level_mistakes_are_errors(tmp_path, data, expected):
+    with pytest.raises(ConfigError) as exc:
+        split_config(data)
+    assert len(exc.value.errors) == 1 and exc.value.errors[0].startswith(expected), exc.value.errors
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(data))
+    assert check_file(str(path)) == exc.value.errors
+
+
+def test_bare_section_and_deepspeed_keys_still_accepted():
+    assert split_config({"aggregation": {"type": "adasum"}})[1].aggregation.type == "adasum"
+    ds, cfg = split_config({"train_batch_size": 8, "fp16": {"enabled": False}, "pipeline": {}})
+    assert ds == {"train_batch_size": 8, "fp16": {"enabled": False}, "pipeline": {}} and cfg.aggregation.type == "mean"
+
+
+def test_planning_options_need_a_cluster():
+    _, errors = validate_pdv({"placement": {"profile": "p.json", "solver": "dp"}})
+    assert len(errors) == 1 and errors[0].startswith("pdv.placement: profile, solver only apply when planning")
+    assert validate_pdv({"placement": {"cluster": "c.yaml", "solver": "dp", "micro_batches": 4}})[1] == []
+
+
+def test_module_attr_plugins_resolve_from_the_working_directory(tmp_path, monkeypatch):
+    from pdv_ext.registry import RegistryError, load_object
+
+    (tmp_path / "userpkg").mkdir()
+    (tmp_path / "userpkg" / "plug.py").write_text("class Mine:\n    pass\n")
+    cwd_free = [p for p in sys.path if p not in ("", str(tmp_path))]
+    monkeypatch.setattr(sys, "path", cwd_free)
+    monkeypatch.chdir(tmp_path)
+    assert load_object("userpkg.plug:Mine").__name__ == "Mine"
+    with pytest.raises(RegistryError, match="cannot import module 'nosuchpkg.x'"):
+        load_object("nosuchpkg.x:Y")
+
+
+def test_pdv_bench_help_lists_the_benchmarks(capsys):
+    from pdv_ext.cli import BENCHES, main
+
+    assert main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in BENCHES)
+    assert main(["bench"]) == 2 and "aggregate" in capsys.readouterr().err
