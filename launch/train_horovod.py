@@ -62,7 +62,8 @@ def main(argv=None) -> int:
     x_val, y_val = x_tr[:64], y_tr[:64]  # trusted validation batch (zeno scores candidates against it)
     optimizer = pdv_hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), named_parameters=model.named_parameters(),
-        aggregation=pdv.aggregation, validation_loss=lambda: F.cross_entropy(model(x_val), y_val))
+        aggregation=pdv.aggregation, validation_loss=lambda: F.cross_entropy(model(x_val), y_val),
+        faults=pdv.faults)
     data = ElasticBatches((x_tr, y_tr), args.micro_batch_size, hvd.rank(), hvd.size(), seed=args.seed)
     hook = pdv_hvd.PolicyHook(optimizer, pdv, micro_batch_size=args.micro_batch_size, data=data)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -77,6 +78,8 @@ def main(argv=None) -> int:
         optimizer.zero_grad()
         for _ in range(hook.micro_batches):
             x, y = next(data)
+            if optimizer.pdv_faults is not None:  # pdv.faults label_flip: Byzantine ranks train on flipped labels
+                y = optimizer.pdv_faults.flip_labels(y, optimizer.global_steps)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
         optimizer.step()

@@ -28,6 +28,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..aggregation import Aggregator, build_aggregator
+from ..aggregation.faults import FaultInjector, NonFiniteGuard
+from ..aggregation.faults_config import FaultsConfig
 from ..aggregation.mean import Mean
 from ..comm.horovod_comm import HorovodComm, _hvd
 
@@ -56,7 +58,7 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
     """Methods copied into the dynamically created optimizer class (see `DistributedOptimizer`)."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, reduction,
-                 gradient_predivide_factor, sparse_as_dense, process_set, validation_loss):
+                 gradient_predivide_factor, sparse_as_dense, process_set, validation_loss, faults=None):
         super(self.__class__, self).__init__(params)
         hvd = _hvd()
         self._hvd = hvd
@@ -96,6 +98,15 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
         self.aggregator: Optional[Aggregator] = None
         self._native_op = None
         self.set_aggregator(reduction)
+        self.global_steps = 0  # reductions so far (the step faults and the non-finite guard report)
+        self._guard = NonFiniteGuard()
+        self.pdv_faults: Optional[FaultInjector] = None
+        if faults is not None and faults.byzantine_ranks:
+            # a grad hook like any other (it forces the aggregator path); label_flip is a data hook:
+            # `optimizer.pdv_faults.wrap_data_iter(batches, lambda: optimizer.global_steps)`
+            self.pdv_faults = FaultInjector(faults, hvd.rank())
+            self.pdv_faults.check_world(hvd.size())
+            self.grad_hooks.append(self.pdv_faults)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p)) for p in self._ordered]
 
     # ---- aggregation ------------------------------------------------------------------------------
@@ -185,6 +196,7 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
         for p in self._ordered:
             self._delay[p] = self.backward_passes_per_step
         self._synchronized = True
+        self.global_steps += 1
 
     def _synchronize_native(self) -> None:
         for p in self._ordered:
@@ -217,7 +229,11 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
                 and getattr(self.aggregator, "_v", None) is None:
             raise ValueError(f"aggregator '{self.aggregator.name}' needs validation gradients: pass "
                              "validation_loss=<callable returning the loss on a trusted batch> to DistributedOptimizer")
+        # NaN/Inf from any rank: filtered by the robust aggregators, a NonFiniteGradients error naming the
+        # rank and step with the others (the native path leaves this to Horovod, as hvd does)
+        self._guard.pre(self.aggregator, grads, self.comm, self.global_steps)
         out = self.aggregator(grads, self.comm)
+        self._guard.post(self.aggregator, out, self.comm, self.global_steps)
         for hook in self.grad_hooks:
             hook.after(self, out)
         for p, o, (_, ctx) in zip(params, out, packed):
@@ -264,7 +280,8 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
         """Aggregator (type, options, state: error feedback, RNG, step) and accumulation settings."""
         agg = self.aggregator
         return {"aggregator": {"type": agg.name, **agg.options.model_dump()}, "native_op": self._native_op,
-                "aggregator_state": agg.state_dict(), "backward_passes_per_step": self.backward_passes_per_step}
+                "aggregator_state": agg.state_dict(), "backward_passes_per_step": self.backward_passes_per_step,
+                "global_steps": self.global_steps}
 
     def load_pdv_state_dict(self, state: Dict[str, Any]) -> None:
         native = state.get("native_op")
@@ -274,6 +291,7 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
             self.set_aggregator(spec)
         self.aggregator.load_state_dict(copy.deepcopy(state["aggregator_state"]))
         self.set_backward_passes_per_step(state.get("backward_passes_per_step", self.backward_passes_per_step))
+        self.global_steps = int(state.get("global_steps", self.global_steps))
 
     def state_dict(self):
         sd = super(self.__class__, self).state_dict()
@@ -296,7 +314,8 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step: int = 1, op=None, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups=None, sparse_as_dense: bool = False, process_set=None,
-                         aggregation: Any = None, validation_loss: Optional[Callable[[], torch.Tensor]] = None):
+                         aggregation: Any = None, validation_loss: Optional[Callable[[], torch.Tensor]] = None,
+                         faults: Any = None):
     """`hvd.DistributedOptimizer` plus `aggregation` (a registered aggregator name, a `{"type": ...,
     **options}` dict, an Aggregator, or a PDVConfig/`pdv.aggregation` section).
 
@@ -305,6 +324,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     Horovod fuses messages, not the result, and the native path leaves fusion to Horovod's tensor fusion.
     `validation_loss()` returns the loss on a trusted validation batch, for aggregators that score
     candidates against a validation gradient (zeno; refreshed every `refresh_every` steps).
+    `faults` (a `pdv.faults` dict or FaultsConfig; taken from a whole PDVConfig passed as `aggregation`)
+    makes the listed global ranks Byzantine, as under DeepSpeed (`optimizer.pdv_faults`).
     """
     hvd = _hvd()
     if not hvd.is_initialized():
@@ -313,6 +334,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         raise ValueError("backward_passes_per_step must be > 0")
     compression = compression if compression is not None else hvd.Compression.none
     process_set = process_set if process_set is not None else hvd.global_process_set
+    if faults is None and hasattr(aggregation, "faults") and not isinstance(aggregation, dict):  # a PDVConfig
+        faults = aggregation.faults
+    if faults is not None and not isinstance(faults, FaultsConfig):
+        faults = FaultsConfig.model_validate(faults)
     reduction = resolve_aggregation(aggregation, op, hvd)
     if num_groups:
         warnings.warn("num_groups is deprecated in Horovod; use groups", DeprecationWarning)
@@ -326,7 +351,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     namespace["_pdv_distributed"] = True
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, reduction,
-               gradient_predivide_factor, sparse_as_dense, process_set, validation_loss)
+               gradient_predivide_factor, sparse_as_dense, process_set, validation_loss, faults)
 
 
 # ---- elastic: the pdv part of the optimizer state is broadcast from rank 0 on sync ------------------------

@@ -270,9 +270,33 @@ def optimizer_checks(adasum: bool = False, quick: bool = False) -> Dict[str, Any
     out["state_roundtrip"] = opt.aggregator.step == 3 and sd["pdv"]["aggregator"]["type"] == "hvd_test_ring"
     opt.load_state_dict({**sd, "pdv": {**sd["pdv"], "aggregator": {"type": "mean"}, "native_op": hvd.Average}})
     out["state_switch"] = opt.aggregator.name == "mean" and opt._native()
+    out.update(_fault_checks())
     if adasum and "adasum" in AGGREGATORS:
         out.update(_adasum_checks())
     return out
+
+
+def _fault_checks() -> Dict[str, Any]:
+    """pdv.faults under Horovod: a NaN-sending rank is named by mean's error on every rank, and median
+    trains through it; the faults come from a whole PDVConfig passed as `aggregation` too."""
+    import pdv_ext.horovod as ph
+    from pdv_ext.aggregation.faults import NonFiniteGradients
+    from pdv_ext.config import load_pdv
+
+    names = lambda m: m.named_parameters()  # noqa: E731
+    nan = {"byzantine_ranks": [1], "attack": "nan", "start_step": 1}
+    res: Dict[str, Any] = {}
+    try:
+        _train(lambda o, m, k: ph.DistributedOptimizer(o, named_parameters=names(m), aggregation="mean", faults=nan))
+        res["faults_mean_error"] = None
+    except NonFiniteGradients as exc:
+        res["faults_mean_error"] = [exc.ranks, exc.step, "rank(s) 1" in str(exc)]
+    cfg = load_pdv({"aggregation": {"type": "median"}, "faults": nan})
+    hist, opt = _train(lambda o, m, k: ph.DistributedOptimizer(o, named_parameters=names(m), aggregation=cfg))
+    res["faults_median_finite"] = all(bool(torch.isfinite(p).all()) for p in hist[-1])
+    res["faults_median_steps"] = opt.global_steps
+    res["faults_injected"] = opt.pdv_faults.last if opt.pdv_faults.byzantine else None
+    return res
 
 
 def _adasum_checks() -> Dict[str, Any]:

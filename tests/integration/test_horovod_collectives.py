@@ -32,6 +32,10 @@ def _check_optimizer(results, n):
         assert res["tap_calls_p1"] == 4 and res["tap_calls_p2"] == 4
         assert res["ring_ok"] and res["ring_steps"] == 3
         assert res["state_roundtrip"] and res["state_switch"]
+        # pdv.faults: rank 1 sends NaN from step 1; mean names it on every rank, median trains through it
+        assert res["faults_mean_error"] == [[1], 1, True]
+        assert res["faults_median_finite"] and res["faults_median_steps"] == 4
+        assert res["faults_injected"] == ({"step": 3, "attack": "nan"} if res["rank"] == 1 else None)
         assert res.get("adasum_ran"), "adasum aggregator missing"
         if "adasum_maxdiff" in res:
             assert res["adasum_maxdiff"] < 1e-4
