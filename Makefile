@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/build/torch_extensions
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: setup demo test test-unit test-integration docs bench clean
+.PHONY: setup demo test test-unit test-integration docs clean
 
 setup:
 	@bash scripts/setup.sh

@@ -140,7 +140,7 @@ def _summary(runs: List[Dict[str, float]]) -> Dict[str, Any]:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = parser("init-search", __doc__)
     ap.add_argument("--quick", action="store_true", help="2 seeds, few steps: a smoke run")
-    ap.add_argument("--ranks", type=int, default=2, help="data-parallel ranks (2-4)")
+    ap.add_argument("--ranks", type=int, default=2, help="data-parallel ranks (1-8)")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=160, help="training steps after initialization")
     ap.add_argument("--hidden", type=int, default=64)
