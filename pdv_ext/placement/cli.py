@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -12,6 +13,25 @@ from ..config_base import ConfigError
 def _fail(msg: str) -> int:
     print(msg, file=sys.stderr)
     return 2
+
+
+def _check_out(ap: argparse.ArgumentParser, flag: str, path: Optional[str]) -> None:
+    """An output path whose directory is missing fails now, not after minutes of solving or profiling."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        ap.error(f"{flag} {path}: is a directory; give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        ap.error(f"{flag} {path}: directory {parent} does not exist")
+
+
+def _check_min(ap: argparse.ArgumentParser, args: argparse.Namespace, flags: Dict[str, int]) -> None:
+    """Each `--flag` (dest name -> minimum) must be at least its minimum."""
+    for dest, low in flags.items():
+        value = getattr(args, dest)
+        if value is not None and value < low:
+            ap.error(f"--{dest.replace('_', '-')} must be >= {low} (got {value})")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -117,11 +137,15 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--solver", default="dp", help=f"one of {', '.join(SOLVERS.names())} or module:function")
     ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
-    ap.add_argument("--aggregator", default="mean", help="reduction pattern the cost model assumes")
+    ap.add_argument("--aggregator", default="mean", help="reduction pattern the cost model assumes (an aggregator "
+                    "name; a registered one without a known pattern is costed as a ring all-reduce)")
     ap.add_argument("--out", default=None, help="write the plan JSON here")
     ap.add_argument("--plot", default=None, help="draw the 1F1B Gantt chart (PNG)")
     ap.add_argument("--json", action="store_true", help="print the plan as one JSON line")
     args = ap.parse_args(argv)
+    _check_min(ap, args, {"stages": 1, "micro_batches": 1})
+    _check_out(ap, "--out", args.out)
+    _check_out(ap, "--plot", args.plot)
     try:
         cluster = Cluster.load(args.cluster)
         prof = Profile.load(args.profile)
@@ -167,20 +191,25 @@ def predict_main(argv: Optional[List[str]] = None) -> int:
     ev.add_argument("--db", default=P.DEFAULT_DB)
     ev.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.cmd == "fit":
+        _check_out(ap, "--out", args.out)
     try:
         db = P.load_db(args.db)
     except (OSError, ValueError) as exc:
         return _fail(f"pdv predict: cannot read database '{args.db}': {exc}")
     if args.cmd == "fit":
-        if args.all:
-            train, test = db["meshes"], []
-        else:
-            train, test = P.split_meshes(db, args.hold_out)
+        try:
+            train, test = (db["meshes"], []) if args.all else P.split_meshes(db, args.hold_out)
+        except ValueError as exc:
+            return _fail(f"pdv predict fit: {exc}")
         link = None
         if args.cluster:
             from .cluster import Cluster
 
-            ln = Cluster.load(args.cluster).spec.links.inter_host
+            try:
+                ln = Cluster.load(args.cluster).spec.links.inter_host
+            except ConfigError as exc:
+                return _fail("\n".join(exc.errors))
             link = {"bandwidth": ln.bandwidth, "latency": ln.latency}
         pred = P.Predictor.fit(train, inter_host=link)
         pred.model["trained_on"] = [P.mesh_name(m) for m in train]
@@ -189,12 +218,18 @@ def predict_main(argv: Optional[List[str]] = None) -> int:
               f"{', '.join(P.mesh_name(m) for m in test) or 'none'}; inter-host link: "
               f"{pred.model['inter_host']} ({pred.model['inter_host_source']}) -> {args.out}")
         return 0
-    pred = P.Predictor.load(args.model)
+    try:
+        pred = P.Predictor.load(args.model)
+    except (OSError, ValueError) as exc:
+        return _fail(f"pdv predict eval: cannot read model '{args.model}': {exc}")
     trained = set(pred.model.get("trained_on", []))
     test = [m for m in db["meshes"] if P.mesh_name(m) not in trained]
     if not test:
         return _fail("pdv predict eval: every mesh of the database was used for fitting; nothing held out")
-    res = P.evaluate(pred, test)
+    try:
+        res = P.evaluate(pred, test)
+    except ValueError as exc:  # e.g. a model fitted without matmul data, evaluated on meshes with some
+        return _fail(f"pdv predict eval: {exc}")
     res["meshes"] = [P.mesh_name(m) for m in test]
     if args.json:
         print(json.dumps(res))
@@ -227,6 +262,10 @@ def profile_main(argv: Optional[List[str]] = None) -> int:
                     help="also measure DeepSpeed's own per-micro-batch / per-step work (one-stage engines, ~30 s)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    _check_min(ap, args, {"layers": 1, "hidden": 1, "heads": 1, "seq_len": 1, "micro_batch": 1, "reps": 1})
+    if args.model == "gpt" and args.hidden % args.heads:
+        ap.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    _check_out(ap, "--out", args.out)
     torch.manual_seed(0)
     if args.model == "gpt":
         specs = gpt_layers(args.layers, args.hidden, args.heads, args.seq_len)

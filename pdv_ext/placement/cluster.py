@@ -18,6 +18,7 @@ or "50us"/"2ms"; memory in bytes or "16 GiB"; throughput in FLOP/s or any relati
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import yaml
@@ -65,8 +66,8 @@ def parse_quantity(value: Union[str, int, float], kind: str) -> float:
 class Link(StrictModel):
     """A link: bandwidth (bytes/s) and latency (s)."""
 
-    bandwidth: float = Field(gt=0)
-    latency: float = Field(default=0.0, ge=0)
+    bandwidth: float = Field(gt=0, allow_inf_nan=False)
+    latency: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
     @field_validator("bandwidth", mode="before")
     @classmethod
@@ -97,16 +98,16 @@ def _memory(v: Any) -> Optional[float]:
 class Device(StrictModel):
     name: str
     host: str
-    throughput: float = Field(default=1.0, gt=0)
-    memory: Optional[float] = Field(default=None, gt=0)
+    throughput: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    memory: Optional[float] = Field(default=None, gt=0, allow_inf_nan=False)  # None: unlimited
     _mem = field_validator("memory", mode="before")(_memory)
 
 
 class HostGroup(StrictModel):
     name: str
     devices: int = Field(gt=0)
-    throughput: float = Field(default=1.0, gt=0)
-    memory: Optional[float] = Field(default=None, gt=0)
+    throughput: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    memory: Optional[float] = Field(default=None, gt=0, allow_inf_nan=False)
     _mem = field_validator("memory", mode="before")(_memory)
 
 
@@ -116,19 +117,20 @@ class ClusterSpec(StrictModel):
     devices: List[Device] = Field(default_factory=list)
     hosts: List[HostGroup] = Field(default_factory=list)
     links: Links = Field(default_factory=Links)
-    reference_throughput: Optional[float] = Field(default=None, gt=0)
+    reference_throughput: Optional[float] = Field(default=None, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterSpec":
         names = [d.name for d in self.all_devices()]
         if not names:
             raise ValueError("the cluster needs at least one device (under 'devices' or 'hosts')")
-        dup = sorted({n for n in names if names.count(n) > 1})
+        dup = sorted(n for n, k in Counter(names).items() if k > 1)  # linear: host groups can be large
         if dup:
             raise ValueError(f"device names must be unique (repeated: {', '.join(dup)})")
+        known = set(names)
         for i, p in enumerate(self.links.pairs):
             for end in (p.a, p.b):
-                if end not in names:
+                if end not in known:
                     raise ValueError(f"links.pairs.{i}: unknown device '{end}'")
         return self
 
@@ -169,7 +171,7 @@ class Cluster:
         try:
             with open(path, encoding="utf-8") as f:
                 data = yaml.safe_load(f)
-        except (OSError, yaml.YAMLError) as exc:
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
             raise ConfigError([f"{path}: cannot read cluster YAML: {exc}"]) from exc
         return cls.from_dict(data, source=path)
 

@@ -22,7 +22,8 @@ class PlacementConfig(StrictModel):
     - `plan`: a plan JSON written by `pdv plan` (boundaries + mapping), or
     - `cluster` + `solver` (+ `profile`): plan at start-up (rank 0 plans and broadcasts).
     - `num_stages` (default: the PipelineModule's), `micro_batches` (default: 2 x stages), `schedule` (`1f1b` or `gpipe`), `aggregator` (reduction pattern the
-      cost model assumes; default `mean`), `solver_options` (keyword arguments of the solver).
+      cost model assumes; default `mean`; a registered aggregator without a known pattern is costed as a
+      ring), `solver_options` (keyword arguments of the solver).
     - Profiling at start-up when `profile` is absent or names a missing file (it is then written):
       `input_shape` (micro-batch input, e.g. `[4, 16]`), `input_dtype` (`float32` or `int64`),
       `input_high` (exclusive upper bound of int64 inputs, e.g. the vocabulary), `profile_reps`.
@@ -34,7 +35,7 @@ class PlacementConfig(StrictModel):
     cluster: Optional[str] = None
     profile: Optional[str] = None
     solver: str = "dp"
-    num_stages: Optional[int] = None
+    num_stages: Optional[int] = Field(default=None, ge=1)
     micro_batches: Optional[int] = Field(default=None, ge=1)
     schedule: Literal["1f1b", "gpipe"] = "1f1b"
     aggregator: str = "mean"
@@ -101,4 +102,13 @@ class PlacementConfig(StrictModel):
 
             raise ValueError(f"unknown solver '{v}'{did_you_mean(v, SOLVERS.names())}; known: "
                              f"{', '.join(SOLVERS.names())}")
+        return v
+
+    @field_validator("aggregator")
+    @classmethod
+    def _known_aggregator(cls, v: str) -> str:
+        """The cost model must know the reduction it plans for (see `cost.aggregator_pattern`)."""
+        from .cost import aggregator_pattern
+
+        aggregator_pattern(v)
         return v

@@ -58,6 +58,25 @@ AGGREGATOR_PATTERN = {"mean": "ring", "sum": "ring", "ring": "ring", "adasum": "
 OPTIMIZER_STATE_FACTOR = 4.0  # weights + grads + Adam m, v
 
 
+def aggregator_pattern(name: str) -> str:
+    """The reduction pattern the cost model assumes for aggregator `name`. A registered aggregator without a
+    known pattern (a user plug-in) is costed as a ring all-reduce; an unknown name is an error, so a typo
+    does not silently plan for the wrong reduction."""
+    if name in AGGREGATOR_PATTERN:
+        return AGGREGATOR_PATTERN[name]
+    from ..aggregation import AGGREGATORS  # imports torch: only for names outside the table
+    from ..registry import RegistryError, did_you_mean
+
+    known = sorted(set(AGGREGATOR_PATTERN) | set(AGGREGATORS.names()))
+    if not isinstance(name, str) or name not in AGGREGATORS:
+        raise ValueError(f"unknown aggregator '{name}'{did_you_mean(str(name), known)}; known: {', '.join(known)}")
+    try:
+        AGGREGATORS.get(name)  # a 'module:attr' name must import
+    except RegistryError as exc:
+        raise ValueError(str(exc)) from exc
+    return "ring"
+
+
 @dataclass
 class StageCost:
     stage: int
@@ -177,7 +196,7 @@ def stage_params(cluster: Cluster, groups: Sequence[Sequence[int]], micro_batche
     """Per-stage constants; `engine` = `Profile.engine` (DeepSpeed's per-micro-batch and per-step work on
     the profiling device), scaled to each stage's slowest device like compute."""
     s_count = len(groups)
-    pattern = AGGREGATOR_PATTERN.get(aggregator, "ring")
+    pattern = aggregator_pattern(aggregator)
     speed = np.array([min(cluster.speed(d) for d in g) for g in groups], dtype=float)
     p2p = []
     for s in range(s_count):

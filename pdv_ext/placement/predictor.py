@@ -51,6 +51,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..registry import did_you_mean
+
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
@@ -61,6 +63,7 @@ DEFAULT_DB = os.path.join(DATA_DIR, "alpa_prof_database.json")
 # which ~10 us is the NCCL step itself). Used only when the training data has no multi-host mesh.
 DEFAULT_INTER_HOST = {"bandwidth": 25e9 / 8, "latency": 30e-6}
 MIN_ELEMENT_BYTES = 2  # element size assumed when a shape does not say (f16)
+MODEL_KEYS = ("curves", "alpha_beta", "steps", "dot", "inter_host")  # what `Predictor.load` requires
 
 
 def ring_factor(coll: str, n: int) -> float:
@@ -136,7 +139,27 @@ def _key(coll: str, local: int, stride: int, share: int) -> str:
 # ---------------------------------------------------------------------------------------------------
 def load_db(path: Optional[str] = None) -> Dict[str, Any]:
     with open(path or DEFAULT_DB, encoding="utf-8") as f:
-        return json.load(f)
+        db = json.load(f)
+    check_db(db)
+    return db
+
+
+def check_db(db: Any) -> None:
+    """Fail on anything but a profiling database (`{}`, a list, a layer profile, a model) with what is
+    expected, instead of a KeyError or an empty max() later."""
+    expected = ("expected a profiling database {'meshes': [{'mesh_shape': [hosts, devices_per_host], "
+                "'collectives': {...}, 'dot': [...]}, ...]} like pdv_ext/data/alpa_prof_database.json")
+    meshes = db.get("meshes") if isinstance(db, dict) else None
+    if not isinstance(meshes, list) or not meshes:
+        raise ValueError(f"no non-empty 'meshes' list; {expected}")
+    for i, m in enumerate(meshes):
+        shape = m.get("mesh_shape") if isinstance(m, dict) else None
+        if not (isinstance(shape, list) and len(shape) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in shape)):
+            raise ValueError(f"meshes[{i}].mesh_shape: must be [hosts, devices_per_host], positive integers; "
+                             f"{expected}")
+        if not isinstance(m.get("collectives", {}), dict) or not isinstance(m.get("dot", []), list):
+            raise ValueError(f"meshes[{i}]: 'collectives' must be a mapping and 'dot' a list; {expected}")
 
 
 def iter_points(mesh: Dict[str, Any]) -> Iterable[Tuple[str, Dict[str, int], float, float]]:
@@ -298,8 +321,20 @@ class Predictor:
 
     @classmethod
     def load(cls, path: str) -> "Predictor":
+        """A model written by `save`; anything else (a profile, a database, `{}`) is a ValueError saying so."""
         with open(path, encoding="utf-8") as f:
-            return cls(json.load(f))
+            model = json.load(f)
+        bad = [k for k in MODEL_KEYS if not isinstance(model, dict) or not isinstance(model.get(k), dict)]
+        if bad:
+            raise ValueError(f"not a predictor model written by `pdv predict fit` ({', '.join(bad)} missing or "
+                             "not a mapping)")
+        if not model["alpha_beta"]:
+            raise ValueError("the model has no fitted collectives (fitted on a database without any?)")
+        bw, lat = model["inter_host"].get("bandwidth"), model["inter_host"].get("latency")
+        if not (isinstance(bw, (int, float)) and isinstance(lat, (int, float)) and 0 < bw < math.inf
+                and 0 <= lat < math.inf):
+            raise ValueError(f"inter_host: needs a finite bandwidth > 0 and latency >= 0 (got {model['inter_host']!r})")
+        return cls(model)
 
     # -- prediction ---------------------------------------------------------------------------------
     def _intra(self, coll: str, shape: Dict[str, int], nbytes: float) -> float:
@@ -395,8 +430,15 @@ def split_meshes(db: Dict[str, Any], held_out: Optional[Sequence[str]] = None):
     if held_out is None:
         big = max(meshes, key=lambda m: (m["mesh_shape"][0] * m["mesh_shape"][1], m["mesh_shape"][0]))
         held_out = [mesh_name(big)]
+    names = [mesh_name(m) for m in meshes]
+    for h in held_out:
+        if h not in names:
+            raise ValueError(f"unknown held-out mesh '{h}'{did_you_mean(h, names)}; the database has "
+                             f"{', '.join(names)}")
     test = [m for m in meshes if mesh_name(m) in held_out]
     train = [m for m in meshes if mesh_name(m) not in held_out]
+    if not train:
+        raise ValueError(f"every mesh ({', '.join(names)}) is held out: nothing left to fit on")
     return train, test
 
 

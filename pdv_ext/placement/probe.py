@@ -165,6 +165,22 @@ def build_cluster(infos: List[Dict], links: Dict[Tuple[int, int], Tuple[float, f
                                 "latency": float(lat)} for (i, j), (lat, bw) in sorted(links.items())]}
 
 
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Bad flags fail before the process group starts (every rank fails alike, none waits for the others)."""
+    import torch.distributed as dist
+
+    if args.matmul_size < 1:
+        ap.error(f"--matmul-size must be >= 1 (got {args.matmul_size})")
+    if args.reps < 1:
+        ap.error(f"--reps must be >= 1 (got {args.reps})")
+    if not args.sizes or min(args.sizes) < 4:
+        ap.error(f"--sizes: give at least one message size, each >= 4 bytes (got {args.sizes})")
+    if args.backend is not None:
+        known = [b for b in ("gloo", "nccl", "mpi", "ucc") if dist.is_backend_available(b)]
+        if args.backend not in known:
+            ap.error(f"--backend {args.backend}: not available in this torch build; available: {', '.join(known)}")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="pdv probe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="cluster YAML to write (rank 0)")
@@ -173,6 +189,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--matmul-size", type=int, default=512)
     ap.add_argument("--backend", default=None, help="torch.distributed backend (default gloo; nccl p2p on GPUs)")
     args = ap.parse_args(argv)
+    _check_args(ap, args)
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         print(f"pdv probe: run me under a launcher (torchrun / deepspeed / pdv emulate); missing {', '.join(missing)}",

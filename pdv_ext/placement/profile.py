@@ -22,9 +22,12 @@ import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Annotated, Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..config_base import ConfigError, StrictModel, format_errors
 
 
 @dataclass
@@ -36,6 +39,37 @@ class LayerProfile:
     saved_bytes: float = 0.0  # activation memory kept for backward, per micro-batch
     update: float = 0.0     # seconds per step on the profiling device: grad norm + optimizer step + zero_grad
     p2p: float = 0.0        # seconds to send + receive act_bytes once (both ends), on the profiling device
+
+
+# -- the JSON schema (validated on load, so a bad value names its key instead of surfacing in the cost model) --
+_NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # seconds or bytes: finite, >= 0
+
+
+class LayerSpec(StrictModel):
+    name: str
+    fwd_bwd: _NonNegative
+    param_bytes: _NonNegative
+    act_bytes: _NonNegative
+    saved_bytes: _NonNegative = 0.0
+    update: _NonNegative = 0.0
+    p2p: _NonNegative = 0.0
+
+
+class EngineSpec(BaseModel):
+    """`Profile.engine`: the two numbers the cost model reads; the fit's details (slope, times...) pass through."""
+
+    model_config = ConfigDict(extra="allow")
+    micro_batch: _NonNegative = 0.0
+    step: _NonNegative = 0.0
+
+
+class ProfileSpec(StrictModel):
+    layers: List[LayerSpec] = Field(min_length=1)
+    micro_batch: int = Field(default=1, ge=1)
+    device: str = "cpu"
+    device_throughput: Optional[float] = Field(default=None, gt=0, allow_inf_nan=False)
+    meta: Dict[str, Any] = Field(default_factory=dict)
+    engine: Optional[EngineSpec] = None
 
 
 @dataclass
@@ -81,16 +115,18 @@ class Profile:
         return d
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "Profile":
+    def from_dict(cls, d: Any, source: str = "profile") -> "Profile":
+        """Validated against `ProfileSpec`: a ConfigError names `source` and the key path of every problem."""
+        if not isinstance(d, dict):
+            raise ConfigError([f"{source}: expected a layer profile {{'layers': [{{'name', 'fwd_bwd', "
+                               f"'param_bytes', 'act_bytes', ...}}, ...], 'micro_batch': ..., ...}} "
+                               f"(written by `pdv profile`), got {type(d).__name__}"])
         try:
-            layers = [LayerProfile(**l) for l in d["layers"]]
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"not a layer profile ({exc}); expected {{'layers': [{{'name', 'fwd_bwd', "
-                             f"'param_bytes', 'act_bytes'}}, ...]}}") from exc
-        if not layers:
-            raise ValueError("the profile has no layers")
-        return cls(layers, int(d.get("micro_batch", 1)), d.get("device", "cpu"), d.get("device_throughput"),
-                   dict(d.get("meta", {})), d.get("engine"))
+            spec = ProfileSpec.model_validate(d)
+        except ValidationError as exc:
+            raise ConfigError(format_errors(exc, ProfileSpec, source)) from exc
+        return cls([LayerProfile(**l.model_dump()) for l in spec.layers], spec.micro_batch, spec.device,
+                   spec.device_throughput, spec.meta, None if spec.engine is None else spec.engine.model_dump())
 
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -98,8 +134,12 @@ class Profile:
 
     @classmethod
     def load(cls, path: str) -> "Profile":
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError) as exc:  # ValueError: bad JSON or not UTF-8
+            raise ConfigError([f"{path}: cannot read profile JSON: {exc}"]) from exc
+        return cls.from_dict(data, source=path)
 
     @classmethod
     def synthetic(cls, num_layers: int, seed: int = 0, heavy_every: int = 0) -> "Profile":

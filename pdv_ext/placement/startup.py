@@ -29,8 +29,8 @@ def load_or_profile(module: Any, pl: Any) -> Profile:
     if pl.profile and os.path.exists(pl.profile):
         try:
             return Profile.load(pl.profile)
-        except (OSError, ValueError) as exc:
-            raise ConfigError([f"pdv.placement.profile: cannot read '{pl.profile}': {exc}"]) from exc
+        except ConfigError as exc:  # its lines name the file and the key
+            raise ConfigError([f"pdv.placement.profile: {e}" for e in exc.errors]) from exc
     prof = profile_module(module, _sample_input(pl), reps=pl.profile_reps)
     if pl.profile:
         prof.save(pl.profile)

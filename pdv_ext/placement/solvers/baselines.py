@@ -7,7 +7,7 @@ from typing import Any, List, Optional
 import numpy as np
 
 from ..plan import Plan
-from . import register_solver
+from . import divisors_widths, register_solver
 
 
 def row_major_groups(num_devices: int, num_stages: int) -> List[List[int]]:
@@ -21,8 +21,7 @@ def _stages(cluster: Any, profile: Any, num_stages: Optional[int]) -> int:
         num_stages = min(len(cluster), len(profile))
         while len(cluster) % num_stages:
             num_stages -= 1
-    if len(cluster) % num_stages:
-        raise ValueError(f"{num_stages} stages do not divide {len(cluster)} devices evenly")
+    divisors_widths(len(cluster), len(profile), num_stages)  # >= 1, divides the devices, <= layers
     return num_stages
 
 
