@@ -50,7 +50,7 @@ class PDVConfig(StrictModel):
 
 def aggregation_errors(section: Dict[str, Any], prefix: str = "pdv.aggregation") -> List[str]:
     """Check `type` against the registry and the remaining keys against that aggregator's options."""
-    from .aggregation import AGGREGATORS
+    from .aggregation import AGGREGATORS, Aggregator, build_aggregator
 
     name = section.get("type", "mean")
     if not isinstance(name, str):
@@ -59,6 +59,16 @@ def aggregation_errors(section: Dict[str, Any], prefix: str = "pdv.aggregation")
         cls = AGGREGATORS.get(name)
     except RegistryError as exc:
         return [f"{prefix}.type: {exc}"]
+    if not (isinstance(cls, type) and issubclass(cls, Aggregator)):
+        # not a class with an Options model: only building it says whether it is (or makes) an Aggregator;
+        # aggregators are cheap to build (configuration and a little state)
+        try:
+            build_aggregator(section, prefix=prefix)
+        except ConfigError as exc:
+            return exc.errors
+        except Exception as exc:  # noqa: BLE001 - whatever a user's factory raises is the error
+            return [f"{prefix}.type: calling the factory '{name}' failed: {type(exc).__name__}: {exc}"]
+        return []
     options_model = getattr(cls, "Options", None)
     opts = {k: v for k, v in section.items() if k != "type"}
     if options_model is None:
@@ -84,6 +94,8 @@ def validate_pdv(section: Any, prefix: str = "pdv") -> Tuple[Optional[PDVConfig]
         errors.extend(format_errors(exc, PDVConfig, prefix))
     agg = section.get("aggregation", {})
     if isinstance(agg, dict):
+        # aggregation_errors reports a bad `type` itself (with the registry's hint): drop pydantic's line for it
+        errors = [e for e in errors if not e.startswith(f"{prefix}.aggregation.type:")]
         errors.extend(aggregation_errors(agg, f"{prefix}.aggregation"))
     # cross-section checks owned by each capability
     if cfg is not None and not errors:

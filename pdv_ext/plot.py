@@ -21,13 +21,22 @@ PANELS: Sequence[Tuple[str, Sequence[str], bool]] = (
 
 
 def read_columns(path: str) -> Dict[str, List[Tuple[float, float]]]:
-    """CSV -> {column: [(step, value), ...]} keeping only numeric, non-empty cells."""
+    """CSV -> {column: [(step, value), ...]} keeping only numeric, non-empty cells.
+
+    A row with more cells than the header (a hand-edited or concatenated file) is skipped, with one
+    warning on stderr naming the file and lines: which column a cell belongs to is unknown there, and a
+    plot of shifted values would mislead more than a gap. Short rows just lack the missing cells.
+    """
     cols: Dict[str, List[Tuple[float, float]]] = {}
+    too_long: List[int] = []
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         if reader.fieldnames is None or "step" not in reader.fieldnames:
             raise ValueError(f"{path}: no 'step' column (expected the Monitor's metrics.csv)")
         for row in reader:
+            if None in row:  # DictReader files the surplus cells under the key None
+                too_long.append(reader.line_num)
+                continue
             try:
                 step = float(row["step"])
             except (TypeError, ValueError):
@@ -39,6 +48,10 @@ def read_columns(path: str) -> Dict[str, List[Tuple[float, float]]]:
                     cols.setdefault(k, []).append((step, float(v)))
                 except ValueError:
                     pass
+    if too_long:
+        lines = ", ".join(map(str, too_long[:5])) + (", ..." if len(too_long) > 5 else "")
+        print(f"pdv plot: {path}: skipped {len(too_long)} row(s) with more fields than the header "
+              f"({len(reader.fieldnames)}): line {lines}", file=sys.stderr)
     return cols
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 from typing import Any, ClassVar, Dict, List, Optional, Union
 
 import torch
+from pydantic import ValidationError
 
 from ..comm.base import Comm
-from ..config_base import StrictModel, WithOptions
+from ..config_base import ConfigError, StrictModel, WithOptions, format_errors
 from ..registry import Registry
 
 AGGREGATORS: Registry = Registry("aggregator", "pdv_ext.aggregators")
@@ -64,21 +65,40 @@ def register_aggregator(name: Optional[str] = None):
     return AGGREGATORS.register_class(name)
 
 
-def build_aggregator(spec: Union[str, Dict[str, Any], Any, Aggregator, None] = None) -> Aggregator:
-    """An Aggregator from a name, a `{"type": ..., **options}` dict or an AggregationConfig."""
+def build_aggregator(spec: Union[str, Dict[str, Any], Any, Aggregator, None] = None, *,
+                     prefix: str = "aggregation") -> Aggregator:
+    """An Aggregator from a name, a `{"type": ..., **options}` dict or an AggregationConfig.
+
+    Bad input fails here, before any step: an unknown name raises RegistryError, any other kind of `spec`
+    TypeError, and bad options or a 'module:attr' that is not an Aggregator subclass (or a factory returning
+    one) ConfigError, one line per problem naming `<prefix>.<key>`.
+    """
     if isinstance(spec, Aggregator):
         return spec
     if spec is None:
         spec = {"type": "mean"}
     if isinstance(spec, str):
         spec = {"type": spec}
-    if not isinstance(spec, dict):  # AggregationConfig
-        spec = {"type": spec.type, **spec.options}
+    if not isinstance(spec, dict):
+        if not (hasattr(spec, "type") and hasattr(spec, "options")):
+            raise TypeError("build_aggregator: expected an aggregator name, a {'type': ..., **options} dict, an "
+                            f"AggregationConfig or an Aggregator (got {type(spec).__name__} {spec!r})")
+        spec = {"type": spec.type, **spec.options}  # AggregationConfig
     spec = dict(spec)
-    cls = AGGREGATORS.get(spec.pop("type", "mean"))
+    name = spec.pop("type", "mean")
+    cls = AGGREGATORS.get(name)
     if isinstance(cls, type) and issubclass(cls, Aggregator):
-        return cls(spec)
-    return cls(**spec)  # a factory function registered by a user
+        try:
+            return cls(spec)
+        except ValidationError as exc:
+            raise ConfigError(format_errors(exc, cls.Options, prefix)) from exc
+    if not callable(cls):
+        raise ConfigError([f"{prefix}.type: '{name}' names a {type(cls).__name__}, not an Aggregator subclass or a "
+                           "factory returning one"])
+    agg = cls(**spec)  # a factory registered by a user (a function, or a class whose __new__ builds one)
+    if not isinstance(agg, Aggregator):
+        raise ConfigError([f"{prefix}.type: the factory '{name}' returned a {type(agg).__name__}, not an Aggregator"])
+    return agg
 
 
 def flatten(tensors: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:

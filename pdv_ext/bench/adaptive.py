@@ -46,7 +46,7 @@ import math
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from .common import emit, log, median, parser
+from .common import check_ranges, emit, log, median, parser
 
 
 def _config(mbs: int, lr: float, dp: int, plugins: Optional[list], monitor: bool, every: int = 1) -> dict:
@@ -284,6 +284,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="also run a hand-written batch schedule, e.g. '16,150:256' (16, then 256 after step 150; "
                          "LR by --lr-rule at each change): what a schedule chosen in hindsight achieves (repeatable)")
     a = ap.parse_args(argv)
+    # before any rank starts: --ranks 0 divides by zero below, --batches 0 would start training
+    check_ranges(ap, a, {"--ranks": 1, "--hidden": 1, "--layers": 1, "--heads": 1, "--seq-len": 1, "--held-out": 1,
+                         "--eval-every": 1, "--max-samples": 1}, ["--target", "--lr", "--timeout"])
+    if a.hidden % a.heads:
+        ap.error(f"--hidden ({a.hidden}) must be a multiple of --heads ({a.heads})")
+    if any(b <= 0 or b % a.ranks for b in a.batches):  # each rank gets batch / ranks samples per step
+        ap.error(f"--batches must be positive multiples of --ranks ({a.ranks}) (got {' '.join(map(str, a.batches))})")
+    runs = ["adaptive"] + [str(b) for b in sorted(a.batches)]
+    for run in filter(None, a.only.split(",")):
+        if run not in runs:
+            ap.error(f"--only: unknown run '{run}'; known: {', '.join(runs)}")
     try:
         schedules = [parse_schedule(text, a.ranks) for text in a.schedule]
     except ValueError as exc:
@@ -297,8 +308,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.quick:
         args.update(target=max(a.target, 2.2), max_samples=16_384, held_out=256, overhead_blocks=2, overhead_steps=5,
                     interval=5, policy={"interval": 5, "warmup_steps": 5})
-    if any(b % a.ranks for b in args["batches"]):
-        ap.error(f"--batches must be multiples of --ranks ({a.ranks})")
     from ..spawn import run_ranks
 
     log(f"pdv bench adaptive: {a.ranks} ranks, batches {args['batches']}, target held-out loss {args['target']}")

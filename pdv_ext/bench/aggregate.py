@@ -19,7 +19,8 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
-from .common import emit, log, median, parser
+from ..registry import did_you_mean
+from .common import check_ranges, emit, log, median, parser
 
 AGGREGATORS = ["mean", "adasum", "zeno", "suspicion", "median", "gossip"]
 
@@ -213,8 +214,15 @@ def main(argv=None) -> int:
         args.horovod = bool(args.horovod)
     elif args.horovod is None:
         args.horovod = True
+    # an exchange needs two ranks (gossip a peer); nan/negative --mb would fail in or after the ranks
+    check_ranges(ap, args, {"--ranks": 2, "--reps": 1, "--warmup": 0}, ["--mb", "--timeout"])
     elements = int(args.mb * 2 ** 20 / 4)
+    if elements < 1:
+        ap.error(f"--mb {args.mb:g} is less than one float32")
     names = [n for n in args.only.split(",") if n] or AGGREGATORS
+    for n in names:
+        if n not in AGGREGATORS:
+            ap.error(f"--only: unknown aggregator '{n}'{did_you_mean(n, AGGREGATORS)}; known: {', '.join(AGGREGATORS)}")
     for n in AGGREGATORS:
         if n not in names:
             log(f"{n}_ms: null (skipped: not in --only)")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Optional
 
-from .common import emit, log, parser
+from .common import check_ranges, emit, log, parser
 
 ATTACKS = ["sign_flip", "gaussian", "bit_flip", "scaled", "label_flip"]
 RANKS = 8
@@ -146,6 +146,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--ranks", type=int, default=RANKS, help="data-parallel ranks (8 for the reported numbers)")
     ap.add_argument("--timeout", type=float, default=3600)
     args = ap.parse_args(argv)
+    # 3 ranks at least: one Byzantine rank must be a minority (and checked before any rank starts)
+    check_ranges(ap, args, {"--ranks": 3, "--steps": 1, "--batch": 1, "--hidden": 1}, ["--lr", "--timeout"])
 
     from ..aggregation import AGGREGATORS
     from ..aggregation.faults_config import FaultsConfig

@@ -12,10 +12,11 @@ Output: {"mean_steps_to_target", "adasum_steps_to_target", "target_loss", "mean_
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Dict, List, Optional
 
-from .common import emit, log, parser
+from .common import check_ranges, emit, log, parser
 
 RANKS = 8
 
@@ -95,13 +96,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--ranks", type=int, default=RANKS, help="data-parallel ranks (8 for the reported numbers)")
     ap.add_argument("--timeout", type=float, default=3600)
     args = ap.parse_args(argv)
+    check_ranges(ap, args, {"--ranks": 1, "--batch": 1, "--max-steps": 1, "--eval-every": 1, "--hidden": 1},
+                 ["--target", "--timeout"])
+    try:
+        grid = [float(x) for x in args.lrs.split(",")]
+    except ValueError:
+        ap.error(f"--lrs {args.lrs!r}: expected comma-separated numbers, e.g. 0.5,1,2")
+    if not all(math.isfinite(lr) and lr > 0 for lr in grid):
+        ap.error(f"--lrs {args.lrs!r}: every learning rate must be a finite number > 0")
 
     from ..aggregation import AGGREGATORS
     from ..spawn import run_ranks
 
     if "adasum" not in AGGREGATORS.names():
         raise SystemExit("pdv bench convergence: the 'adasum' aggregator is not available in this build")
-    lrs = [0.5, 1.0] if args.quick and args.lrs == "0.5,1,2,4,8" else [float(x) for x in args.lrs.split(",")]
+    lrs = [0.5, 1.0] if args.quick and args.lrs == "0.5,1,2,4,8" else grid
     target = 0.5 if args.quick and args.target == 0.1 else args.target
     max_steps = 60 if args.quick and args.max_steps == 200 else args.max_steps
     runs = [{"aggregator": a, "lr": lr} for lr in lrs for a in ("mean", "adasum")]  # alternate the two

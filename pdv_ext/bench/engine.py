@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, List, Optional
 
-from .common import emit, log, median, parser
+from .common import check_ranges, emit, log, median, parser
 
 
 def _rank(steps: int, warmup: int, layers: int, hidden: int, stages: int, micro_batch: int, grad_acc: int,
@@ -75,6 +75,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.layers, args.hidden = 4, 1, 6, 32
+    check_ranges(ap, args, {"--steps": 1, "--warmup": 0, "--ranks": 1, "--stages": 1, "--layers": 2, "--hidden": 1,
+                            "--micro-batch": 1, "--grad-acc": 1}, ["--timeout"])
+    if args.ranks % args.stages:  # DeepSpeed's pipeline grid: stages x data-parallel replicas
+        ap.error(f"--stages ({args.stages}) must divide --ranks ({args.ranks})")
     from ..spawn import run_ranks
 
     log(f"[bench engine] {args.ranks} ranks, {args.stages} stages, {args.layers} layers x {args.hidden}, "

@@ -14,7 +14,7 @@ import statistics
 import time
 from typing import Any, Dict, List, Optional
 
-from .common import emit, log, parser
+from .common import check_ranges, emit, log, parser
 
 
 def _model(seed: int, hidden: int):
@@ -155,6 +155,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.seeds, args.steps, args.candidates, args.probe_steps = 2, 20, 2, 3
     if not 1 <= args.ranks <= 8:
         ap.error("--ranks must be between 1 and 8")
+    check_ranges(ap, args, {"--seeds": 1, "--steps": 1, "--hidden": 1, "--batch": 1, "--candidates": 1,
+                            "--rounds": 1, "--probe-steps": 1}, ["--lr", "--timeout"])
     from ..spawn import run_ranks
 
     search = {"candidates": args.candidates, "rounds": args.rounds, "probe_steps": args.probe_steps, "lr": args.lr}

@@ -16,7 +16,7 @@ from typing import Callable, Dict, List
 import torch
 
 from .. import kernels as K
-from .common import emit, log, median, parser
+from .common import check_ranges, emit, log, median, parser
 
 
 def gpt_like_sizes(total: int) -> List[int]:
@@ -89,8 +89,11 @@ def main(argv=None) -> int:
     ap.add_argument("--m", type=int, default=4, help="vectors in the median stack")
     ap.add_argument("--quick", action="store_true", help="4 MB, 3 repetitions (smoke test)")
     args = ap.parse_args(argv)
+    check_ranges(ap, args, {"--reps": 1, "--m": 1}, ["--mb"])  # nan MB fails in int(); 0 reps has no median
     mb, reps = (4.0, 3) if args.quick else (args.mb, args.reps)
     elements = int(mb * 2 ** 20 / 4)
+    if elements < args.m:
+        ap.error(f"--mb {mb:g} is too small for a median over --m {args.m} vectors")
     res = run(elements, reps, args.m)
     result = {**res, "backend": K.backend(), "threads": torch.get_num_threads(), "mb": mb,
               "adasum_fused_vs_copy": round(res["adasum_fused_gbps"] / res["copy_gbps"], 3)}

@@ -31,7 +31,7 @@ import sys
 import tempfile
 from typing import Any, Dict, List
 
-from .common import emit, log, median, parser
+from .common import check_ranges, emit, log, median, parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_CLUSTER = os.path.join(ROOT, "launch", "clusters", "emulated_4dev.yaml")
@@ -57,6 +57,10 @@ def _args(argv):
     a = ap.parse_args(argv)
     if a.quick:
         a.repeats, a.steps, a.warmup = 1, 3, 1
+    check_ranges(ap, a, {"--repeats": 1, "--steps": 1, "--warmup": 0, "--default-stages": 1, "--layers": 1,
+                         "--hidden": 1, "--micro-batch": 1, "--micro-batches": 1}, ["--timeout"])
+    if a.hidden % 4:  # the demo GPT of train_step_timer has 4 attention heads
+        ap.error(f"--hidden ({a.hidden}) must be a multiple of 4 (the demo GPT's attention heads)")
     return a
 
 
@@ -119,22 +123,27 @@ def reference_device(cluster) -> int:
 def main(argv=None) -> int:
     a = _args(sys.argv[1:] if argv is None else argv)
     from ..emulate.launcher import EmulationUnavailable, check_available
-
-    try:
-        check_available()
-    except EmulationUnavailable as exc:
-        print(f"pdv bench placement: emulation unavailable: {exc}", file=sys.stderr)
-        return 2
+    from ..emulate.netns import check_address_plan
     from ..emulate.spec import load_spec
     from ..placement.cluster import Cluster
     from ..placement.cost import evaluate
     from ..placement.profile import Profile
     from ..placement.solvers import solve
 
-    try:
+    try:  # the cluster first: a bad one is the same error with or without root
         cluster, spec = Cluster.load(a.cluster), load_spec(a.cluster)
+        check_address_plan(spec)
     except Exception as exc:  # the loader's message names the file and key
         print(f"pdv bench placement: {exc}", file=sys.stderr)
+        return 2
+    if len(cluster) % a.default_stages:  # DeepSpeed's pipeline grid: stages x data-parallel replicas
+        print(f"pdv bench placement: --default-stages {a.default_stages} must divide the cluster's {len(cluster)} "
+              "devices", file=sys.stderr)
+        return 2
+    try:
+        check_available()
+    except EmulationUnavailable as exc:
+        print(f"pdv bench placement: emulation unavailable: {exc}", file=sys.stderr)
         return 2
     model = ["--layers", str(a.layers), "--hidden", str(a.hidden), "--micro-batch", str(a.micro_batch),
              "--micro-batches", str(a.micro_batches)]

@@ -42,6 +42,19 @@ def device_ip(spec: EmuSpec, i: int) -> str:
     return f"{SUBNET}.{spec.host_index(i)}.{spec.local_rank(i) + 1}"
 
 
+def check_address_plan(spec: EmuSpec) -> None:
+    """ValueError when the cluster does not fit `10.251.<host>.<device + 1>` (at most 256 hosts of 254
+    devices; `.255` would be the host's broadcast address): an octet above 255 is an invalid address that
+    `ip` rejects half-way through set-up, so this runs before anything is created."""
+    if len(spec.hosts) > 256:
+        raise ValueError(f"{len(spec.hosts)} hosts: the emulated network has room for at most 256 hosts")
+    for host in spec.hosts:
+        n = sum(1 for d in spec.devices if d.host == host)
+        if n > 254:
+            raise ValueError(f"host '{host}' has {n} devices: the emulated network has room for at most 254 "
+                             "devices per host (split them over more hosts)")
+
+
 def list_netns() -> List[str]:
     p = run("ip", "netns", "list", check=False)
     return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
