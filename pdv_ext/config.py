@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple, Type, Union
 import yaml
 from pydantic import ConfigDict, Field, ValidationError
 
-from .registry import RegistryError, did_you_mean
+from .registry import RegistryError, did_you_mean, factory_errors
 
 
 from .config_base import ConfigError, StrictModel, format_errors  # noqa: E402,F401
@@ -50,7 +50,7 @@ class PDVConfig(StrictModel):
 
 def aggregation_errors(section: Dict[str, Any], prefix: str = "pdv.aggregation") -> List[str]:
     """Check `type` against the registry and the remaining keys against that aggregator's options."""
-    from .aggregation import AGGREGATORS, Aggregator, build_aggregator
+    from .aggregation import AGGREGATORS, Aggregator
 
     name = section.get("type", "mean")
     if not isinstance(name, str):
@@ -59,16 +59,9 @@ def aggregation_errors(section: Dict[str, Any], prefix: str = "pdv.aggregation")
         cls = AGGREGATORS.get(name)
     except RegistryError as exc:
         return [f"{prefix}.type: {exc}"]
-    if not (isinstance(cls, type) and issubclass(cls, Aggregator)):
-        # not a class with an Options model: only building it says whether it is (or makes) an Aggregator;
-        # aggregators are cheap to build (configuration and a little state)
-        try:
-            build_aggregator(section, prefix=prefix)
-        except ConfigError as exc:
-            return exc.errors
-        except Exception as exc:  # noqa: BLE001 - whatever a user's factory raises is the error
-            return [f"{prefix}.type: calling the factory '{name}' failed: {type(exc).__name__}: {exc}"]
-        return []
+    if not (isinstance(cls, type) and issubclass(cls, Aggregator)):  # only building it tells
+        return factory_errors(cls, {k: v for k, v in section.items() if k != "type"}, Aggregator, name,
+                              f"{prefix}.type")
     options_model = getattr(cls, "Options", None)
     opts = {k: v for k, v in section.items() if k != "type"}
     if options_model is None:

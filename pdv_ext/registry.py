@@ -48,6 +48,32 @@ def load_object(spec: str) -> Any:
     return obj
 
 
+def call_factory(factory: Any, options: Dict[str, Any], base: type, label: str) -> Any:
+    """`factory(**options)`, checked to be a `base`: a plug-in that is not a `base` subclass must be a factory
+    (a function, or a class whose __new__ builds one). It is user code, so what it is and what it returns
+    are checked here, with a RegistryError naming `label`; whatever it raises itself propagates."""
+    article = "an" if base.__name__[:1] in "AEIOU" else "a"
+    if not callable(factory):
+        raise RegistryError(f"'{label}' names a {type(factory).__name__}, not {article} {base.__name__} subclass "
+                            "or a factory returning one")
+    built = factory(**options)
+    if not isinstance(built, base):
+        raise RegistryError(f"the factory '{label}' returned a {type(built).__name__}, not {article} {base.__name__}")
+    return built
+
+
+def factory_errors(factory: Any, options: Dict[str, Any], base: type, label: str, key: str) -> List[str]:
+    """Config-check form of `call_factory`: its error, or what the factory raised, as one line naming `key`
+    (plug-ins are cheap to build: configuration and a little state; their work starts later)."""
+    try:
+        call_factory(factory, options, base, label)
+    except RegistryError as exc:
+        return [f"{key}: {exc}"]
+    except Exception as exc:  # noqa: BLE001 - whatever a user's factory raises is the error
+        return [f"{key}: calling the factory '{label}' failed: {type(exc).__name__}: {exc}"]
+    return []
+
+
 def _import_from_cwd_too(module_name: str) -> Any:
     """Import a module; when its top-level package is not found, look in the working directory too (last,
     so it shadows nothing), as `uvicorn module:app` does: `"launch.my_policy:PlateauLR"` then works from

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from ..comm.base import Comm
 from ..config_base import ConfigError, StrictModel, WithOptions, format_errors
-from ..registry import Registry
+from ..registry import Registry, RegistryError, call_factory
 
 AGGREGATORS: Registry = Registry("aggregator", "pdv_ext.aggregators")
 
@@ -92,13 +92,10 @@ def build_aggregator(spec: Union[str, Dict[str, Any], Any, Aggregator, None] = N
             return cls(spec)
         except ValidationError as exc:
             raise ConfigError(format_errors(exc, cls.Options, prefix)) from exc
-    if not callable(cls):
-        raise ConfigError([f"{prefix}.type: '{name}' names a {type(cls).__name__}, not an Aggregator subclass or a "
-                           "factory returning one"])
-    agg = cls(**spec)  # a factory registered by a user (a function, or a class whose __new__ builds one)
-    if not isinstance(agg, Aggregator):
-        raise ConfigError([f"{prefix}.type: the factory '{name}' returned a {type(agg).__name__}, not an Aggregator"])
-    return agg
+    try:
+        return call_factory(cls, spec, Aggregator, name)  # a factory registered by a user
+    except RegistryError as exc:
+        raise ConfigError([f"{prefix}.type: {exc}"]) from exc
 
 
 def flatten(tensors: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:

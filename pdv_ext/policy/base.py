@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Dict, List, Literal, Optional, Type, Union
 
 from ..config_base import StrictModel, WithOptions
-from ..registry import Registry
+from ..registry import Registry, call_factory
 
 POLICIES: Registry = Registry("policy", "pdv_ext.policies")
 
@@ -143,7 +143,7 @@ def build_policy(spec: Union[str, Dict[str, Any], Policy]) -> Policy:
     name = spec.pop("name")
     _load_builtins()
     cls = POLICIES.get(name)
-    pol = cls(spec) if isinstance(cls, type) and issubclass(cls, Policy) else cls(**spec)
+    pol = cls(spec) if isinstance(cls, type) and issubclass(cls, Policy) else call_factory(cls, spec, Policy, name)
     if not getattr(pol, "plugin_name", None):
         pol.plugin_name = name  # the name the user wrote: used in error reports
     return pol

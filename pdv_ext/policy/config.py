@@ -100,7 +100,7 @@ def policy_plugins(cfg: Any, prefix: str) -> List[str]:
     from pydantic import ValidationError
 
     from ..config_base import format_errors
-    from ..registry import RegistryError, did_you_mean
+    from ..registry import RegistryError, did_you_mean, factory_errors
     from .base import POLICIES, Policy, _load_builtins
 
     _load_builtins()
@@ -112,8 +112,9 @@ def policy_plugins(cfg: Any, prefix: str) -> List[str]:
         except RegistryError as exc:
             errors.append(f"{path}.name: {exc}")
             continue
-        if not (isinstance(cls, type) and issubclass(cls, Policy)):
-            errors.extend(_factory_errors(cls, spec, path))
+        if not (isinstance(cls, type) and issubclass(cls, Policy)):  # only building it tells
+            errors.extend(factory_errors(cls, {k: v for k, v in spec.items() if k != "name"}, Policy, spec["name"],
+                                         f"{path}.name"))
             continue
         model = getattr(cls, "Options", None)
         if model is None:
@@ -134,19 +135,3 @@ def policy_plugins(cfg: Any, prefix: str) -> List[str]:
                               f"known: {', '.join(AGGREGATORS.names())}")
     return errors
 
-
-def _factory_errors(obj: Any, spec: Dict[str, Any], path: str) -> List[str]:
-    """A plugin name that is not a Policy subclass must name a factory returning one: only calling it tells
-    (policies are cheap to build; their work starts in `on_train_begin`)."""
-    from .base import Policy
-
-    name = spec["name"]
-    if not callable(obj):
-        return [f"{path}.name: '{name}' names a {type(obj).__name__}, not a Policy subclass or a factory returning one"]
-    try:
-        built = obj(**{k: v for k, v in spec.items() if k != "name"})
-    except Exception as exc:  # noqa: BLE001 - whatever a user's factory raises is the error
-        return [f"{path}.name: calling the factory '{name}' failed: {type(exc).__name__}: {exc}"]
-    if not isinstance(built, Policy):
-        return [f"{path}.name: the factory '{name}' returned a {type(built).__name__}, not a Policy"]
-    return []
