@@ -3,31 +3,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from typing import Any, Dict, List, Optional, Sequence
+
+from ..cli_args import check_ranges  # noqa: F401  (the benches' flag checks)
 
 
 def parser(name: str, doc: Optional[str]) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=f"pdv bench {name}", description=doc)
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
     return ap
-
-
-def check_ranges(ap: argparse.ArgumentParser, args: argparse.Namespace, at_least: Optional[Dict[str, int]] = None,
-                 positive: Sequence[str] = ()) -> None:
-    """Exit 2 with one `ap.error` line naming the first numeric flag out of range, before any rank starts
-    (a zero count would fail inside the ranks, or not at all): each flag of `at_least` ({"--ranks": 2})
-    must be at least its value, each of `positive` a finite number > 0 (float() takes nan, inf, -1)."""
-    for flag, low in (at_least or {}).items():
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
-        if value < low:
-            ap.error(f"{flag} must be >= {low} (got {value})")
-    for flag in positive:
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
-        if not (math.isfinite(value) and value > 0):
-            ap.error(f"{flag} must be a finite number > 0 (got {value})")
 
 
 def emit(result: Dict[str, Any], as_json: bool) -> None:

@@ -7,11 +7,11 @@ cgroup.py). Exit code: the first failing rank's, 124 on timeout, 2 when emulatio
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from typing import List, Optional
 
+from ..cli_args import check_ranges
 from . import launcher, netns
 
 
@@ -62,10 +62,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.print_usage(sys.stderr)
         print("pdv emulate: error: needs --cluster C.yaml and a command after --", file=sys.stderr)
         return 2
-    for flag, value in (("--timeout", args.timeout), ("--cpu-budget", args.cpu_budget),
-                        ("--top-share", args.top_share)):  # float() takes nan, inf and negatives
-        if value is not None and not (math.isfinite(value) and value > 0):
-            ap.error(f"{flag} must be a finite number > 0 (got {value:g})")
+    check_ranges(ap, args, positive=["--timeout", "--cpu-budget", "--top-share"])
     if args.top_share is not None and args.top_share > (os.cpu_count() or 1):
         ap.error(f"--top-share {args.top_share:g} is more than this machine's {os.cpu_count() or 1} cores")
     from .spec import load_spec

@@ -3,35 +3,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..cli_args import check_out, check_ranges
 from ..config_base import ConfigError
 
 
 def _fail(msg: str) -> int:
     print(msg, file=sys.stderr)
     return 2
-
-
-def _check_out(ap: argparse.ArgumentParser, flag: str, path: Optional[str]) -> None:
-    """An output path whose directory is missing fails now, not after minutes of solving or profiling."""
-    if path is None:
-        return
-    if os.path.isdir(path):
-        ap.error(f"{flag} {path}: is a directory; give a file name")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        ap.error(f"{flag} {path}: directory {parent} does not exist")
-
-
-def _check_min(ap: argparse.ArgumentParser, args: argparse.Namespace, flags: Dict[str, int]) -> None:
-    """Each `--flag` (dest name -> minimum) must be at least its minimum."""
-    for dest, low in flags.items():
-        value = getattr(args, dest)
-        if value is not None and value < low:
-            ap.error(f"--{dest.replace('_', '-')} must be >= {low} (got {value})")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -143,9 +124,9 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--plot", default=None, help="draw the 1F1B Gantt chart (PNG)")
     ap.add_argument("--json", action="store_true", help="print the plan as one JSON line")
     args = ap.parse_args(argv)
-    _check_min(ap, args, {"stages": 1, "micro_batches": 1})
-    _check_out(ap, "--out", args.out)
-    _check_out(ap, "--plot", args.plot)
+    check_ranges(ap, args, {"--stages": 1, "--micro-batches": 1})
+    check_out(ap, "--out", args.out)
+    check_out(ap, "--plot", args.plot)
     try:
         cluster = Cluster.load(args.cluster)
         prof = Profile.load(args.profile)
@@ -192,7 +173,7 @@ def predict_main(argv: Optional[List[str]] = None) -> int:
     ev.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.cmd == "fit":
-        _check_out(ap, "--out", args.out)
+        check_out(ap, "--out", args.out)
     try:
         db = P.load_db(args.db)
     except (OSError, ValueError) as exc:
@@ -262,10 +243,10 @@ def profile_main(argv: Optional[List[str]] = None) -> int:
                     help="also measure DeepSpeed's own per-micro-batch / per-step work (one-stage engines, ~30 s)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    _check_min(ap, args, {"layers": 1, "hidden": 1, "heads": 1, "seq_len": 1, "micro_batch": 1, "reps": 1})
+    check_ranges(ap, args, {"--layers": 1, "--hidden": 1, "--heads": 1, "--seq-len": 1, "--micro-batch": 1, "--reps": 1})
     if args.model == "gpt" and args.hidden % args.heads:
         ap.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
-    _check_out(ap, "--out", args.out)
+    check_out(ap, "--out", args.out)
     torch.manual_seed(0)
     if args.model == "gpt":
         specs = gpt_layers(args.layers, args.hidden, args.heads, args.seq_len)
