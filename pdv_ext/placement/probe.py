@@ -169,10 +169,9 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Bad flags fail before the process group starts (every rank fails alike, none waits for the others)."""
     import torch.distributed as dist
 
-    if args.matmul_size < 1:
-        ap.error(f"--matmul-size must be >= 1 (got {args.matmul_size})")
-    if args.reps < 1:
-        ap.error(f"--reps must be >= 1 (got {args.reps})")
+    from ..cli_args import check_ranges
+
+    check_ranges(ap, args, {"--matmul-size": 1, "--reps": 1})
     if not args.sizes or min(args.sizes) < 4:
         ap.error(f"--sizes: give at least one message size, each >= 4 bytes (got {args.sizes})")
     if args.backend is not None:
