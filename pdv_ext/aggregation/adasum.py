@@ -261,5 +261,6 @@ def adasum_flat(buf: torch.Tensor, sizes: List[int], comm: Comm, eps: float = 1e
     if buf.numel() != sum(sizes):
         raise ValueError(f"adasum_flat: buffer has {buf.numel()} elements, sizes sum to {sum(sizes)}")
     flat = buf.view(-1)
-    adasum_tensors(list(torch.split(flat, list(sizes))), comm, eps, scratch)
+    if comm.size > 1 and flat.numel():  # already one chunk: nothing to pack, one message per swap
+        _adasum_virtual(_Virtual(list(torch.split(flat, list(sizes))), [flat]), comm, eps, scratch)
     return buf

@@ -123,16 +123,15 @@ def reference_device(cluster) -> int:
 def main(argv=None) -> int:
     a = _args(sys.argv[1:] if argv is None else argv)
     from ..emulate.launcher import EmulationUnavailable, check_available
-    from ..emulate.netns import check_address_plan
-    from ..emulate.spec import load_spec
+    from ..emulate.spec import from_cluster
     from ..placement.cluster import Cluster
     from ..placement.cost import evaluate
     from ..placement.profile import Profile
     from ..placement.solvers import solve
 
     try:  # the cluster first: a bad one is the same error with or without root
-        cluster, spec = Cluster.load(a.cluster), load_spec(a.cluster)
-        check_address_plan(spec)
+        cluster = Cluster.load(a.cluster)
+        spec = from_cluster(cluster)  # checks the cluster fits the emulated network
     except Exception as exc:  # the loader's message names the file and key
         print(f"pdv bench placement: {exc}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from collections import Counter
 from typing import List, Optional
 
 from .spec import EmuSpec
@@ -46,10 +47,10 @@ def check_address_plan(spec: EmuSpec) -> None:
     """ValueError when the cluster does not fit `10.251.<host>.<device + 1>` (at most 256 hosts of 254
     devices; `.255` would be the host's broadcast address): an octet above 255 is an invalid address that
     `ip` rejects half-way through set-up, so this runs before anything is created."""
-    if len(spec.hosts) > 256:
-        raise ValueError(f"{len(spec.hosts)} hosts: the emulated network has room for at most 256 hosts")
-    for host in spec.hosts:
-        n = sum(1 for d in spec.devices if d.host == host)
+    per_host = Counter(d.host for d in spec.devices)
+    if len(per_host) > 256:
+        raise ValueError(f"{len(per_host)} hosts: the emulated network has room for at most 256 hosts")
+    for host, n in per_host.items():
         if n > 254:
             raise ValueError(f"host '{host}' has {n} devices: the emulated network has room for at most 254 "
                              "devices per host (split them over more hosts)")

@@ -49,6 +49,7 @@ def load_spec(path: str) -> EmuSpec:
 
 
 def from_cluster(cluster) -> EmuSpec:
+    """The emulator's view of a loaded cluster; ValueError when it does not fit the emulated network."""
     devs = [EmuDevice(d.name, d.host, float(d.throughput)) for d in cluster.devices]
     n = len(devs)
     bw = [[0.0] * n for _ in range(n)]
@@ -59,4 +60,8 @@ def from_cluster(cluster) -> EmuSpec:
                 link = cluster.link(i, j)
                 bw[i][j] = float(link.bandwidth)
                 lat[i][j] = float(link.latency)
-    return EmuSpec(devs, bw, lat)
+    spec = EmuSpec(devs, bw, lat)
+    from .netns import check_address_plan  # the addresses are netns's; checked before anything is created
+
+    check_address_plan(spec)
+    return spec

@@ -21,11 +21,11 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Annotated, Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from ..config_base import ConfigError, StrictModel, format_errors
 
@@ -45,14 +45,10 @@ class LayerProfile:
 _NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # seconds or bytes: finite, >= 0
 
 
-class LayerSpec(StrictModel):
-    name: str
-    fwd_bwd: _NonNegative
-    param_bytes: _NonNegative
-    act_bytes: _NonNegative
-    saved_bytes: _NonNegative = 0.0
-    update: _NonNegative = 0.0
-    p2p: _NonNegative = 0.0
+# derived from LayerProfile, so that a field added there is saved *and* loaded: every number finite, >= 0
+LayerSpec = create_model("LayerSpec", __base__=StrictModel, **{
+    f.name: (str if f.name == "name" else _NonNegative, ... if f.default is MISSING else f.default)
+    for f in fields(LayerProfile)})
 
 
 class EngineSpec(BaseModel):
