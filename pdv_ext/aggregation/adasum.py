@@ -197,8 +197,10 @@ def _adasum_virtual(buf: _Virtual, comm: Comm, eps: float, scratch: torch.Tensor
         comm.exchange({rank - p2: buf.messages(0, n)}, {})
     elif rank < extra:
         comm.exchange({}, {rank + p2: recv_messages(0, n)})
-        dot, mine, other = kernels.adasum_dots(buf.pieces(everything), into_recv(everything))
-        combine(everything, *_coefficients(dot, mine, other, eps))
+        sums = torch.zeros(3, n_t, dtype=torch.float64)  # per tensor, as `combine` indexes them (an empty
+        sums[:, [t for t, _, _ in everything]] = torch.stack(  # tensor has no segment)
+            kernels.adasum_dots(buf.pieces(everything), into_recv(everything)))
+        combine(everything, *_coefficients(sums[0], sums[1], sums[2], eps))
     else:
         comm.exchange({}, {})
 

@@ -70,6 +70,18 @@ def test_packed_small_tensors_keep_their_own_coefficients(size):
         torch.testing.assert_close(out[0][t].reshape(-1).double(), ref, rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("size", [3, 5])
+def test_empty_tensors_with_folded_ranks(size):
+    shapes = [(5,), (0,), (300, 300), (3,), (0, 4)]  # an empty tensor has no segment in the fold-in
+    per_rank = rand_grads(size, seed=20 + size, shapes=shapes)
+    out = run(per_rank, size)
+    for t, shape in enumerate(shapes):
+        assert out[0][t].shape == shape
+        if out[0][t].numel():
+            ref = tree([per_rank[r][t].reshape(-1) for r in range(size)])
+            torch.testing.assert_close(out[0][t].reshape(-1).double(), ref, rtol=2e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("size", [2, 3, 4, 6])
 def test_orthogonal_gradients_add(size):
     n = 24
