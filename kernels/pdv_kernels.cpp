@@ -60,6 +60,20 @@ struct AvxLanes {
     b0 = _mm256_add_pd(b0, _mm256_mul_pd(y0, y0));
     b1 = _mm256_add_pd(b1, _mm256_mul_pd(y1, y1));
   }
+#if defined(__FMA__)
+  // for float inputs: a product of two widened floats is exact in float64 (24 + 24 bits < 53), so the
+  // fused multiply-add rounds exactly where mul-then-add does; half the arithmetic, bit-identical
+  void add_exact(__m256d x0, __m256d x1, __m256d y0, __m256d y1) {
+    d0 = _mm256_fmadd_pd(x0, y0, d0);
+    d1 = _mm256_fmadd_pd(x1, y1, d1);
+    a0 = _mm256_fmadd_pd(x0, x0, a0);
+    a1 = _mm256_fmadd_pd(x1, x1, a1);
+    b0 = _mm256_fmadd_pd(y0, y0, b0);
+    b1 = _mm256_fmadd_pd(y1, y1, b1);
+  }
+#else
+  void add_exact(__m256d x0, __m256d x1, __m256d y0, __m256d y1) { add(x0, x1, y0, y1); }
+#endif
   void store(Lanes& l) const {
     _mm256_storeu_pd(l.sd, d0), _mm256_storeu_pd(l.sd + 4, d1);
     _mm256_storeu_pd(l.sa, a0), _mm256_storeu_pd(l.sa + 4, a1);
@@ -73,8 +87,8 @@ int64_t dot3_main<float>(const float* __restrict__ a, const float* __restrict__ 
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 x = _mm256_loadu_ps(a + i), y = _mm256_loadu_ps(b + i);
-    v.add(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)),
-          _mm256_cvtps_pd(_mm256_castps256_ps128(y)), _mm256_cvtps_pd(_mm256_extractf128_ps(y, 1)));
+    v.add_exact(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)),
+                _mm256_cvtps_pd(_mm256_castps256_ps128(y)), _mm256_cvtps_pd(_mm256_extractf128_ps(y, 1)));
   }
   v.store(l);
   return i;
@@ -153,6 +167,30 @@ void scaled_add(const T* a, const T* b, T* out, int64_t n, double ca, double cb)
     out[i] = static_cast<T>(x + y);
   }
 }
+
+#if defined(__AVX__)
+// The same arithmetic written out for float (GCC's own vectorisation of the widening loop ran 45% slower
+// than a plain in-place add of the same bytes): widen, multiply, add in float64, round once.
+template <>
+void scaled_add<float>(const float* a, const float* b, float* out, int64_t n, double ca, double cb) {
+  const __m256d va = _mm256_set1_pd(ca), vb = _mm256_set1_pd(cb);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(a + i), y = _mm256_loadu_ps(b + i);
+    const __m256d lo = _mm256_add_pd(_mm256_mul_pd(va, _mm256_cvtps_pd(_mm256_castps256_ps128(x))),
+                                     _mm256_mul_pd(vb, _mm256_cvtps_pd(_mm256_castps256_ps128(y))));
+    const __m256d hi = _mm256_add_pd(_mm256_mul_pd(va, _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1))),
+                                     _mm256_mul_pd(vb, _mm256_cvtps_pd(_mm256_extractf128_ps(y, 1))));
+    _mm256_storeu_ps(out + i, _mm256_insertf128_ps(_mm256_castps128_ps256(_mm256_cvtpd_ps(lo)),
+                                                   _mm256_cvtpd_ps(hi), 1));
+  }
+  for (; i < n; ++i) {
+    const double x = ca * static_cast<double>(a[i]);
+    const double y = cb * static_cast<double>(b[i]);
+    out[i] = static_cast<float>(x + y);
+  }
+}
+#endif
 
 template <typename T>
 void adasum_combine_impl(int64_t n, const void* const* a, const void* const* b, void* const* out,
