@@ -29,7 +29,7 @@ import platform
 import threading
 import sys
 import warnings
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -147,6 +147,51 @@ def _cflags(native: bool) -> List[str]:
 
 def extensions_dir() -> str:
     return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(_ROOT, "build", "torch_extensions")
+
+
+#: a torch JIT baton (`<build dir>/lock`) older than this is a killed build's: builds take well under it
+STALE_BATON_SECONDS = 300.0
+
+
+def clear_stale_batons(root: str, ops: Sequence[str], older_than: float = STALE_BATON_SECONDS) -> List[str]:
+    """Remove torch's build lock of each of `ops` under `root` when it is older than `older_than` seconds."""
+    import time
+
+    removed = []
+    for name in ops:
+        baton = os.path.join(root, name, "lock")
+        try:
+            if time.time() - os.path.getmtime(baton) > older_than:
+                os.remove(baton)
+                removed.append(baton)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def prebuild_jit_ops(log=lambda msg: None) -> Dict[str, str]:
+    """Build the JIT-compiled ops our ranks load - these kernels and DeepSpeed's CPU shared-memory op - once,
+    here (`make setup`), so that ranks started under a test's timeout never race to build them. A killed
+    build leaves torch's lock file behind, and every later load of that op waits for it forever: a lock
+    older than STALE_BATON_SECONDS is removed first. Returns {op: "built" | reason it was not}."""
+    out: Dict[str, str] = {}
+    for baton in clear_stale_batons(extensions_dir(), ["deepspeed_shm_comm"]):
+        log(f"removed a killed build's lock {baton}")
+    out["pdv_kernels"] = "built" if backend() == "cpp" else _state["reason"]
+    try:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.ops import __compatible_ops__
+
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is None or not __compatible_ops__.get(builder.NAME, False):
+            out["deepspeed_shm_comm"] = "not used by this accelerator"
+        else:
+            builder.load(verbose=False)
+            out["deepspeed_shm_comm"] = "built"
+    except Exception as e:  # DeepSpeed falls back to plain torch.distributed without it
+        out["deepspeed_shm_comm"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return out
 
 
 def _build():

@@ -70,4 +70,6 @@ if ! "$PY" -c "import pdv_ext, importlib.metadata as m; m.version('pdv_ext')" >/
   "${PIP[@]}" --no-deps --no-build-isolation -e "$ROOT"
   touch "$VENV/.pdv-installed"
 fi
+# JIT ops built here once, not by ranks racing under a test's timeout (and a killed build's lock cleared)
+"$PY" -c "from pdv_ext import kernels; r = kernels.prebuild_jit_ops(log=lambda m: print('[setup]', m)); [print(f'[setup] JIT op {k}: {v}') for k, v in r.items() if v != 'built']"
 log "ready: $("$PY" -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)' 2>/dev/null)"

@@ -1,5 +1,6 @@
 """The C++ kernels agree with their pure-torch fallbacks (bit for bit, except float64 sums of adasum_dots)."""
 import math
+import os
 
 import pytest
 import torch
@@ -167,3 +168,16 @@ def test_dots_same_bits_portable_and_native_build(cpp, monkeypatch, tmp_path):
     for n3, p3 in zip(native, portable):
         for x, y in zip(n3, p3):
             same(x, y)
+
+
+def test_clear_stale_batons_removes_only_old_locks(tmp_path):
+    """A killed JIT build leaves torch's lock behind and every later load waits for it forever; a lock as
+    young as a running build's is kept."""
+    for name in ("old_op", "young_op"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "lock").write_text("")
+    old = tmp_path / "old_op" / "lock"
+    os.utime(old, (old.stat().st_atime - 3600, old.stat().st_mtime - 3600))
+    removed = K.clear_stale_batons(str(tmp_path), ["old_op", "young_op", "missing_op"], older_than=600)
+    assert removed == [str(old)]
+    assert not old.exists() and (tmp_path / "young_op" / "lock").exists()
