@@ -115,6 +115,28 @@ def _probed_cluster(yaml_cluster, probed_path: str, reference: int, profile=None
     return Cluster.from_dict({"devices": devices, "links": links, "reference_throughput": thr[reference]})
 
 
+def stage_comparison(cb, breakdowns: List[Any], micro_batches: int) -> List[Dict[str, Any]]:
+    """Per stage: the cost model's forward + backward compute per micro-batch (`predicted_compute_ms`) and
+    its whole work per micro-batch (`predicted_ms`: compute + send/recv work + engine), beside what the
+    stage's slowest rank spent in ForwardPass + BackwardPass per micro-batch in each run (wall, and CPU).
+    Where a step's error comes from: a stage's speed, or the schedule around it."""
+    out = []
+    for st in cb.stages:
+        row: Dict[str, Any] = {"stage": st.stage, "layers": st.layers, "devices": st.devices,
+                               "predicted_compute_ms": round(st.compute * 1e3, 1),
+                               "predicted_ms": round(st.time * 1e3, 1), "measured_fwd_bwd_ms": [],
+                               "measured_fwd_bwd_cpu_ms": []}
+        for bd in breakdowns:
+            if not bd:
+                continue
+            wall = [sum(bd[r].get(i, [0.0, 0.0])[0] for i in ("ForwardPass", "BackwardPass")) for r in st.devices]
+            cpu = [sum(bd[r].get(i, [0.0, 0.0])[1] for i in ("ForwardPass", "BackwardPass")) for r in st.devices]
+            row["measured_fwd_bwd_ms"].append(round(max(wall) / micro_batches, 1))
+            row["measured_fwd_bwd_cpu_ms"].append(round(max(cpu) / micro_batches, 1))
+        out.append(row)
+    return out
+
+
 def reference_device(cluster) -> int:
     """The device that profiles (train_step_timer profile): the one whose YAML speed is closest to 1."""
     return min(range(len(cluster)), key=lambda i: abs(cluster.speed(i) - 1.0))
@@ -192,17 +214,18 @@ def main(argv=None) -> int:
                 out = os.path.join(tmp, f"{which}{rep}.json")
                 extra = ["--plan", plan_path] if which == "planned" else ["--stages", str(a.default_stages)]
                 log(f"run {rep + 1}/{a.repeats}: {which}")
-                _emulate(spec, timer + ["train", "--out", out, "--steps", str(a.steps), "--warmup", str(a.warmup)]
-                         + model + extra, a.timeout)
+                _emulate(spec, timer + ["train", "--out", out, "--steps", str(a.steps), "--warmup", str(a.warmup),
+                                        "--breakdown"] + model + extra, a.timeout)
                 with open(out) as f:
                     runs[which].append(json.load(f))
                 log(f"  {which}: median step {runs[which][-1]['median_step_ms']:.1f} ms")
     measured = {k: median([r["median_step_ms"] for r in v]) for k, v in runs.items()}
-    predicted, tails = {}, {}
+    predicted, tails, stages = {}, {}, {}
     for k, v in runs.items():
         used = v[-1]
         cb = evaluate(profile, cluster, used["parts"], used["rank_mapping"], a.micro_batches)
         predicted[k], tails[k] = cb.step_time * 1e3, cb.tail_time * 1e3
+        stages[k] = stage_comparison(cb, [r.get("breakdown_ms") for r in v], a.micro_batches)
     err = max(abs(predicted[k] - measured[k]) / measured[k] for k in measured)
     result = {
         "default_ms": round(measured["default"], 2),
@@ -213,7 +236,7 @@ def main(argv=None) -> int:
         "prediction_error": round(err, 3),
         **{k: {"parts": v[-1]["parts"], "rank_mapping": v[-1]["rank_mapping"],
                "runs_ms": [round(r["median_step_ms"], 1) for r in v],
-               "predicted_tail_ms": round(tails[k], 2)} for k, v in runs.items()},
+               "predicted_tail_ms": round(tails[k], 2), "stages": stages[k]} for k, v in runs.items()},
         "profile_fwd_bwd_ms": round(float(profile.arrays()["fwd_bwd"].sum()) * 1e3, 2),
         "profile_update_ms": round(float(profile.arrays()["update"].sum()) * 1e3, 2),
         "latency_emulated": latency_emulated,

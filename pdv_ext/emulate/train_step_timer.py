@@ -21,6 +21,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any, Dict
 
 from ..spawn import shutdown_distributed
 
@@ -44,6 +45,8 @@ def _args(argv):
     ap.add_argument("--workload-speeds", action="store_true",
                     help="profile mode: every rank also times the model's forward + backward (device speeds)")
     ap.add_argument("--workload-reps", type=int, default=7)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="train mode: also record each rank's wall and CPU ms per step in each pipeline instruction")
     return ap.parse_args(argv)
 
 
@@ -111,6 +114,40 @@ def profile(a) -> int:
     return 0
 
 
+class _InstructionTimes:
+    """Wall and CPU seconds a rank spends in each kind of pipeline instruction (ForwardPass, RecvActivation,
+    ...), through an instance-level instruction map: what a stage really costs, to set beside the cost
+    model's per-stage prediction."""
+
+    def __init__(self, engine):
+        self.on = False
+        self.wall: Dict[str, float] = {}
+        self.cpu: Dict[str, float] = {}
+        imap = dict(type(engine)._INSTRUCTION_MAP)
+        for instr, fn in list(imap.items()):
+            imap[instr] = self._timed(instr.__name__, fn)
+        engine._INSTRUCTION_MAP = imap
+
+    def _timed(self, name, fn):
+        def run(engine, *args, **kwargs):
+            if not self.on:
+                return fn(engine, *args, **kwargs)
+            t0, c0 = time.perf_counter(), time.process_time()
+            try:
+                return fn(engine, *args, **kwargs)
+            finally:
+                self.wall[name] = self.wall.get(name, 0.0) + time.perf_counter() - t0
+                self.cpu[name] = self.cpu.get(name, 0.0) + time.process_time() - c0
+        return run
+
+    def per_step_ms(self, steps: int, step_wall: float, step_cpu: float) -> Dict[str, Any]:
+        """ms per step: {instruction: [wall, cpu]}, plus `outside` (the step's time in no instruction)."""
+        out = {k: [round(self.wall[k] / steps * 1e3, 2), round(self.cpu[k] / steps * 1e3, 2)] for k in sorted(self.wall)}
+        out["outside"] = [round((step_wall - sum(self.wall.values())) / steps * 1e3, 2),
+                          round((step_cpu - sum(self.cpu.values())) / steps * 1e3, 2)]
+        return out
+
+
 def train(a) -> int:
     import deepspeed
     import torch
@@ -142,9 +179,12 @@ def train(a) -> int:
                                          model_parameters=(p for p in model.parameters() if p.requires_grad))
     train_text, _ = text_splits()
     data = ByteWindows(train_text, a.seq_len, a.micro_batch, seed=engine.grid.get_data_parallel_id())
+    timing = _InstructionTimes(engine) if a.breakdown else None
     times, losses, cpu = [], [], 0.0
     for step in range(a.warmup + a.steps):
         dist.barrier()
+        if timing is not None:
+            timing.on = step >= a.warmup
         t0, c0 = time.perf_counter(), time.process_time()
         loss = engine.train_batch(data_iter=data)
         dt = time.perf_counter() - t0
@@ -158,11 +198,17 @@ def train(a) -> int:
     share = torch.zeros(world, dtype=torch.float64)
     share[dist.get_rank()] = cpu / sum(times)
     dist.all_reduce(share)
+    breakdown = None
+    if timing is not None:
+        breakdown = [None] * world
+        dist.all_gather_object(breakdown, timing.per_step_ms(len(times), sum(times), cpu))
     if dist.get_rank() == 0:
         ms = [t * 1e3 for t in slowest.tolist()]
         out = {"median_step_ms": statistics.median(ms), "step_ms": ms, "parts": [int(p) for p in engine.module.parts],
                "rank_mapping": current_mapping(engine.module), "stages": engine.num_stages, "losses": losses,
                "plan": a.plan, "cpu_share": [round(x, 3) for x in share.tolist()]}
+        if breakdown is not None:
+            out["breakdown_ms"] = breakdown  # per rank: {instruction: [wall, cpu] ms per step}
         with open(a.out, "w") as f:
             json.dump(out, f)
         print(f"median_step_ms {out['median_step_ms']:.1f} parts {out['parts']} mapping {out['rank_mapping']} "

@@ -50,3 +50,21 @@ def test_probed_cluster_keeps_names_hosts_memory_and_takes_measured_speeds_and_l
     c = _probed_cluster(yaml_cluster, str(path), ref, prof)
     assert [round(c.speed(i), 3) for i in range(4)] == [1.0, 0.8, 0.5, 0.2]
     assert c.link(0, 3).bandwidth == 1.24e7
+
+
+def test_stage_comparison_takes_each_stages_slowest_rank_per_micro_batch():
+    from types import SimpleNamespace
+
+    from pdv_ext.bench.placement import stage_comparison
+
+    cb = SimpleNamespace(stages=[
+        SimpleNamespace(stage=0, layers=[0, 2], devices=[0, 1], compute=0.040, time=0.050),
+        SimpleNamespace(stage=1, layers=[2, 4], devices=[2, 3], compute=0.080, time=0.090)])
+    run = [{"ForwardPass": [40.0, 30.0], "BackwardPass": [80.0, 60.0]},
+           {"ForwardPass": [60.0, 30.0], "BackwardPass": [100.0, 70.0]},  # stage 0's slowest
+           {"ForwardPass": [100.0, 50.0], "BackwardPass": [300.0, 90.0], "RecvActivation": [500.0, 1.0]},
+           {"ForwardPass": [90.0, 40.0], "BackwardPass": [250.0, 80.0]}]
+    rows = stage_comparison(cb, [run, None], micro_batches=4)  # a run without a breakdown is skipped
+    assert rows[0]["predicted_compute_ms"] == 40.0 and rows[0]["predicted_ms"] == 50.0
+    assert rows[0]["measured_fwd_bwd_ms"] == [40.0] and rows[0]["measured_fwd_bwd_cpu_ms"] == [25.0]
+    assert rows[1]["measured_fwd_bwd_ms"] == [100.0] and rows[1]["measured_fwd_bwd_cpu_ms"] == [35.0]
