@@ -5,7 +5,7 @@ import argparse
 import json
 import statistics
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from ..cli_args import check_ranges  # noqa: F401  (the benches' flag checks)
 
