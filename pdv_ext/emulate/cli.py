@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cluster", help="cluster YAML (devices, hosts, links)")
     ap.add_argument("--timeout", type=float, default=None, help="kill every rank after S seconds (exit 124)")
     ap.add_argument("--cpu-budget", type=float, default=None,
-                    help="cores shared by all devices (default 0.8 x the machine's cores)")
+                    help="cores shared by all devices (default 0.55 x the machine's cores)")
     ap.add_argument("--top-share", type=float, default=None,
                     help="cores given to the fastest device (default: what fits the budget, at most 1)")
     ap.add_argument("--run-name", default=None, help=argparse.SUPPRESS)

@@ -48,6 +48,11 @@ def new_run_name() -> str:
     return f"pdv-{secrets.token_hex(3)}"
 
 
+#: share of the machine's cores all devices' quotas add up to by default: with 0.8 the fastest devices got
+#: 10% less than their quota while the others ran (gloo threads, the kernel and the VM take the rest)
+DEFAULT_BUDGET = 0.55
+
+
 class Emulation:
     def __init__(self, spec: EmuSpec, command: Sequence[str], timeout: Optional[float] = None,
                  cpu_budget: Optional[float] = None, top_share: Optional[float] = None,
@@ -56,7 +61,7 @@ class Emulation:
         self.spec = spec
         self.command = list(command)
         self.timeout = timeout
-        budget = cpu_budget if cpu_budget is not None else 0.8 * (os.cpu_count() or 1)
+        budget = cpu_budget if cpu_budget is not None else DEFAULT_BUDGET * (os.cpu_count() or 1)
         self.cores = cgroup.shares([d.speed for d in spec.devices], budget, top_share)
         self.name = run_name or new_run_name()
         self.env = env or {}

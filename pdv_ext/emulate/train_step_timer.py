@@ -78,10 +78,10 @@ def _workload_seconds(a, ids, labels):
             return time.perf_counter() - t0
 
         once()  # warm-up
-        mine = statistics.median(in_turns(once, a.workload_reps))
+        mine = in_turns(once, a.workload_reps)
         out = [None] * world
         dist.all_gather_object(out, mine)
-        return [float(v) for v in out]
+        return [[float(v) for v in samples] for samples in out]
     finally:
         shutdown_distributed()
 
@@ -105,7 +105,8 @@ def profile(a) -> int:
     # DeepSpeed's own work per micro-batch / per step on this device (a child process in this quota)
     prof.engine = engine_overhead(len(prof))
     if workload is not None:
-        prof.meta["workload_seconds"] = workload
+        prof.meta["workload_seconds"] = [statistics.median(w) for w in workload]
+        prof.meta["workload_rounds"] = workload
     prof.meta.update({"device_name": os.environ.get("PDV_DEVICE_NAME"), "rank": rank,
                       "cores": os.environ.get("PDV_DEVICE_CORES")})
     prof.save(a.out)
