@@ -10,7 +10,8 @@ CPU quotas by device speed; root only) it
    model's own operations, which replaces the probe's matmul throughput: `speed_source: workload`; a
    0.15-core quota device runs them slower than its matmul rate says), then profiles the layers on the
    cluster's reference device (under that device's quota), and DeepSpeed's own work per micro-batch and
-   per step there (one-stage engines over trivially cheap layers),
+   per step there (one-stage engines over trivially cheap layers); the layers' times are scaled to sum to
+   the reference device's timed whole-model pass (`profile_scale`; `--uncalibrated` keeps them as timed),
 2. plans with the `dp` solver (pdv_ext.placement) from that profile and the cluster,
 3. trains the same model with (a) DeepSpeed's default `parameters` partition + row-major placement and
    (b) the plan, alternating (a), (b) `--repeats` times in the same run, each reporting the median step time,
@@ -54,6 +55,8 @@ def _args(argv):
     ap.add_argument("--no-probe", action="store_true", help="plan and predict on the YAML, not a probed cluster")
     ap.add_argument("--matmul-speeds", action="store_true",
                     help="device speeds from the probe's matmul, not from timing the model on every device")
+    ap.add_argument("--uncalibrated", action="store_true",
+                    help="keep the per-layer times as profiled, not scaled to the whole model's timed pass")
     a = ap.parse_args(argv)
     if a.quick:
         a.repeats, a.steps, a.warmup = 1, 3, 1
@@ -201,6 +204,11 @@ def main(argv=None) -> int:
             log(f"device speeds on the model's forward + backward "
                 f"({[round(w * 1e3, 1) for w in profile.meta['workload_seconds']]} ms): "
                 f"{[round(cluster.speed(i), 3) for i in range(len(cluster))]}")
+        if profile.meta.get("workload_seconds") and not a.uncalibrated:
+            # the layers' total from the whole model's pass, timed on the same device just before
+            profile = profile.calibrated(profile.meta["workload_seconds"][reference_device(yaml_cluster)])
+            log(f"layer times scaled by {profile.meta['fwd_bwd_scale']:.3f} to the whole model's forward + "
+                "backward on the reference device")
         os.makedirs(ARTIFACTS, exist_ok=True)  # what the predictions were made from, for inspection
         profile.save(os.path.join(ARTIFACTS, "profile.json"))
         cluster.save(os.path.join(ARTIFACTS, "cluster.yaml"))
@@ -239,6 +247,7 @@ def main(argv=None) -> int:
                "predicted_tail_ms": round(tails[k], 2), "stages": stages[k]} for k, v in runs.items()},
         "profile_fwd_bwd_ms": round(float(profile.arrays()["fwd_bwd"].sum()) * 1e3, 2),
         "profile_update_ms": round(float(profile.arrays()["update"].sum()) * 1e3, 2),
+        "profile_scale": round(float(profile.meta.get("fwd_bwd_scale", 1.0)), 3),
         "latency_emulated": latency_emulated,
         "cluster_source": source,
         "speed_source": speed_source,

@@ -68,3 +68,18 @@ def test_stage_comparison_takes_each_stages_slowest_rank_per_micro_batch():
     assert rows[0]["predicted_compute_ms"] == 40.0 and rows[0]["predicted_ms"] == 50.0
     assert rows[0]["measured_fwd_bwd_ms"] == [40.0] and rows[0]["measured_fwd_bwd_cpu_ms"] == [25.0]
     assert rows[1]["measured_fwd_bwd_ms"] == [100.0] and rows[1]["measured_fwd_bwd_cpu_ms"] == [35.0]
+
+
+def test_calibrated_profile_sums_to_the_whole_pass_and_keeps_shares():
+    from pdv_ext.placement.profile import LayerProfile, Profile
+
+    prof = Profile([LayerProfile("a", 0.010, 1.0, 2.0, 3.0, 0.004, 0.001),
+                    LayerProfile("b", 0.030, 1.0, 2.0, 3.0, 0.002, 0.001)], meta={"x": 1})
+    cal = prof.calibrated(0.050)
+    assert [round(l.fwd_bwd, 6) for l in cal.layers] == [0.0125, 0.0375]
+    assert [l.update for l in cal.layers] == [0.004, 0.002]  # only the forward + backward is rescaled
+    assert cal.meta == {"x": 1, "fwd_bwd_scale": 1.25} and prof.layers[0].fwd_bwd == 0.010
+    import pytest
+    with pytest.raises(ValueError, match="cannot calibrate"):
+        prof.calibrated(0.0)
+
