@@ -161,7 +161,7 @@ def clear_stale_batons(root: str, ops: Sequence[str], older_than: float = STALE_
     for name in ops:
         baton = os.path.join(root, name, "lock")
         try:
-            if time.time() - os.path.getmtime(baton) > older_than:
+            if time.time() - os.path.getmtime(baton) >= older_than:
                 os.remove(baton)
                 removed.append(baton)
         except FileNotFoundError:
@@ -190,8 +190,12 @@ def prebuild_jit_ops(log=lambda msg: None) -> Dict[str, str]:
             builder.load(verbose=False)
             out["deepspeed_shm_comm"] = "built"
     except Exception as e:  # DeepSpeed falls back to plain torch.distributed without it
-        out["deepspeed_shm_comm"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        out["deepspeed_shm_comm"] = _first_line(e)
     return out
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def _build():
@@ -214,9 +218,7 @@ def _build():
         with open(os.path.join(root, "pdv_kernels.lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time across ranks and processes
             try:
-                stale = os.path.join(build_dir, "lock")  # torch's own baton, left behind by a killed build
-                if os.path.exists(stale):
-                    os.remove(stale)
+                clear_stale_batons(root, [name], older_than=0.0)  # under our lock, any baton is a killed build's
                 path = cpp_extension.load(name=name, sources=[SOURCE], extra_cflags=_cflags(native),
                                           build_directory=build_dir, is_python_module=False, verbose=False)
                 path = path or os.path.join(build_dir, name + ".so")
@@ -277,7 +279,7 @@ def _module():
             try:
                 _state["module"] = _build()
             except Exception as e:  # no compiler, no headers, no sources: the fallbacks are exact
-                _state["reason"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                _state["reason"] = _first_line(e)
                 warnings.warn(f"pdv_ext.kernels: using the pure-torch fallbacks ({_state['reason']})",
                               RuntimeWarning, stacklevel=3)
         _state["tried"] = True

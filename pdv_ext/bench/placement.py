@@ -129,13 +129,11 @@ def stage_comparison(cb, breakdowns: List[Any], micro_batches: int) -> List[Dict
                                "predicted_compute_ms": round(st.compute * 1e3, 1),
                                "predicted_ms": round(st.time * 1e3, 1), "measured_fwd_bwd_ms": [],
                                "measured_fwd_bwd_cpu_ms": []}
-        for bd in breakdowns:
-            if not bd:
-                continue
-            wall = [sum(bd[r].get(i, [0.0, 0.0])[0] for i in ("ForwardPass", "BackwardPass")) for r in st.devices]
-            cpu = [sum(bd[r].get(i, [0.0, 0.0])[1] for i in ("ForwardPass", "BackwardPass")) for r in st.devices]
-            row["measured_fwd_bwd_ms"].append(round(max(wall) / micro_batches, 1))
-            row["measured_fwd_bwd_cpu_ms"].append(round(max(cpu) / micro_batches, 1))
+        for bd in filter(None, breakdowns):
+            for col, key in ((0, "measured_fwd_bwd_ms"), (1, "measured_fwd_bwd_cpu_ms")):  # [wall, cpu]
+                slowest = max(sum(bd[r].get(i, [0.0, 0.0])[col] for i in ("ForwardPass", "BackwardPass"))
+                              for r in st.devices)
+                row[key].append(round(slowest / micro_batches, 1))
         out.append(row)
     return out
 
@@ -175,6 +173,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="pdv-bench-placement-") as tmp:
         prof_path, plan_path = os.path.join(tmp, "profile.json"), os.path.join(tmp, "plan.json")
         yaml_cluster, source, probed = cluster, "yaml", None
+        ref = reference_device(yaml_cluster)  # the device train_step_timer profiles on
         if not a.no_probe:
             probed_path = os.path.join(tmp, "probed.yaml")
             log(f"probing the emulated cluster {a.cluster} (pdv probe)")
@@ -182,7 +181,7 @@ def main(argv=None) -> int:
                 _emulate(spec, [sys.executable, "-m", "pdv_ext.cli", "probe", "--out", probed_path,
                                 "--sizes", "2097152", "4194304", "8388608", "--reps", "3", "--matmul-size", "1024"],
                          a.timeout)
-                cluster, source = _probed_cluster(yaml_cluster, probed_path, reference_device(yaml_cluster)), "probed"
+                cluster, source = _probed_cluster(yaml_cluster, probed_path, ref), "probed"
                 probed = [round(cluster.speed(i), 3) for i in range(len(cluster))]
                 log(f"probed speeds {probed} (YAML {[round(yaml_cluster.speed(i), 3) for i in range(len(cluster))]}), "
                     f"intra-host {cluster.spec.links.intra_host.bandwidth * 8 / 1e6:.0f} Mbit/s, inter-host "
@@ -199,14 +198,14 @@ def main(argv=None) -> int:
         log(f"engine work on the reference device: {profile.engine}")
         speed_source = "matmul (probe)" if source == "probed" else "yaml"
         if source == "probed" and profile.meta.get("workload_seconds") and not a.matmul_speeds:
-            cluster = _probed_cluster(yaml_cluster, probed_path, reference_device(yaml_cluster), profile)
+            cluster = _probed_cluster(yaml_cluster, probed_path, ref, profile)
             speed_source = "workload"
             log(f"device speeds on the model's forward + backward "
                 f"({[round(w * 1e3, 1) for w in profile.meta['workload_seconds']]} ms): "
                 f"{[round(cluster.speed(i), 3) for i in range(len(cluster))]}")
         if profile.meta.get("workload_seconds") and not a.uncalibrated:
             # the layers' total from the whole model's pass, timed on the same device just before
-            profile = profile.calibrated(profile.meta["workload_seconds"][reference_device(yaml_cluster)])
+            profile = profile.calibrated(profile.meta["workload_seconds"][ref])
             log(f"layer times scaled by {profile.meta['fwd_bwd_scale']:.3f} to the whole model's forward + "
                 "backward on the reference device")
         os.makedirs(ARTIFACTS, exist_ok=True)  # what the predictions were made from, for inspection

@@ -87,6 +87,7 @@ def _workload_seconds(a, ids, labels):
 
 
 def profile(a) -> int:
+    from ..bench.placement import reference_device
     from ..placement.cluster import Cluster
     from ..placement.profile import engine_overhead, profile_layers
     from ..models import gpt_layers, lm_loss
@@ -94,7 +95,7 @@ def profile(a) -> int:
 
     cluster = Cluster.load(a.cluster)
     rank = int(os.environ.get("RANK", "0"))
-    ref = min(range(len(cluster)), key=lambda i: abs(cluster.speed(i) - 1.0))
+    ref = reference_device(cluster)
     torch.manual_seed(0)
     ids, labels = (torch.randint(0, 256, (a.micro_batch, a.seq_len)) for _ in range(2))
     workload = _workload_seconds(a, ids, labels) if a.workload_speeds else None
@@ -121,13 +122,12 @@ class _InstructionTimes:
     model's per-stage prediction."""
 
     def __init__(self, engine):
+        from ..integrations.deepspeed import wrap_instructions
+
         self.on = False
         self.wall: Dict[str, float] = {}
         self.cpu: Dict[str, float] = {}
-        imap = dict(type(engine)._INSTRUCTION_MAP)
-        for instr, fn in list(imap.items()):
-            imap[instr] = self._timed(instr.__name__, fn)
-        engine._INSTRUCTION_MAP = imap
+        wrap_instructions(engine, lambda instr, fn: self._timed(instr.__name__, fn))
 
     def _timed(self, name, fn):
         def run(engine, *args, **kwargs):

@@ -319,6 +319,17 @@ class PDVPipelineEngine(PipelineEngine):
     }
 
 
+def wrap_instructions(engine: Any, wrap: Callable[[type, Callable], Callable],
+                      instructions: Optional[Sequence[type]] = None) -> None:
+    """Give `engine` an instance-level instruction map in which each of `instructions` (default: all)
+    runs `wrap(instruction class, current function)`: how the policy layer times forward/backward and
+    the placement benchmark times every instruction, on top of whatever map the engine has now."""
+    imap = dict(engine._INSTRUCTION_MAP)
+    for instr in (imap if instructions is None else instructions):
+        imap[instr] = wrap(instr, imap[instr])
+    engine._INSTRUCTION_MAP = imap
+
+
 # ---------------------------------------------------------------------------------------------------
 # initialize
 # ---------------------------------------------------------------------------------------------------

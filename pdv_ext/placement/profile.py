@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Annotated, Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -89,11 +89,13 @@ class Profile:
 
     def scaled(self, speed: float) -> "Profile":
         """The profile as seen on a device `speed` times as fast as the profiling device."""
-        return Profile([LayerProfile(l.name, l.fwd_bwd / speed, l.param_bytes, l.act_bytes, l.saved_bytes,
-                                     l.update / speed, l.p2p / speed) for l in self.layers], self.micro_batch, self.device,
-                       None if self.device_throughput is None else self.device_throughput * speed, dict(self.meta),
-                       None if self.engine is None else {**self.engine, "micro_batch": self.engine_micro_batch / speed,
-                                                         "step": self.engine_step / speed})
+        return replace(
+            self, layers=[replace(l, fwd_bwd=l.fwd_bwd / speed, update=l.update / speed, p2p=l.p2p / speed)
+                          for l in self.layers],
+            device_throughput=None if self.device_throughput is None else self.device_throughput * speed,
+            meta=dict(self.meta),
+            engine=None if self.engine is None else {**self.engine, "micro_batch": self.engine_micro_batch / speed,
+                                                     "step": self.engine_step / speed})
 
     def calibrated(self, total_fwd_bwd: float) -> "Profile":
         """The profile with every layer's forward + backward scaled so that they sum to `total_fwd_bwd`: the
@@ -105,10 +107,8 @@ class Profile:
             raise ValueError(f"cannot calibrate a profile whose forward + backward sums to {total} "
                              f"against {total_fwd_bwd} s")
         k = total_fwd_bwd / total
-        return Profile([LayerProfile(l.name, l.fwd_bwd * k, l.param_bytes, l.act_bytes, l.saved_bytes, l.update,
-                                     l.p2p) for l in self.layers], self.micro_batch, self.device,
-                       self.device_throughput, {**self.meta, "fwd_bwd_scale": k},
-                       None if self.engine is None else dict(self.engine))
+        return replace(self, layers=[replace(l, fwd_bwd=l.fwd_bwd * k) for l in self.layers],
+                       meta={**self.meta, "fwd_bwd_scale": k}, engine=None if self.engine is None else dict(self.engine))
 
     @property
     def engine_micro_batch(self) -> float:

@@ -97,15 +97,15 @@ class PolicyGlue:
     def __init__(self, engine: Any, cfg: PolicyConfig):
         from deepspeed.runtime.pipe import schedule
 
+        from ..integrations.deepspeed import wrap_instructions
+
         self.engine, self.cfg = engine, cfg
         self.comm = TorchComm()  # the world: every rank of every stage agrees
         self.monitor = Monitor(self.comm, engine.grid.get_data_parallel_world_size(), cfg.monitor, every=cfg.every)
         engine.grad_hooks.append(_MonitorHook(self.monitor))
         # time forward/backward per rank (the straggler signal) through an instance-level instruction map
-        imap = dict(type(engine)._INSTRUCTION_MAP)
-        for instr in (schedule.ForwardPass, schedule.BackwardPass):
-            imap[instr] = _timed(imap[instr], self.monitor)
-        engine._INSTRUCTION_MAP = imap
+        wrap_instructions(engine, lambda instr, fn: _timed(fn, self.monitor),
+                          (schedule.ForwardPass, schedule.BackwardPass))
         self.applier = EngineApplier(engine)
         policies = [build_policy(p) for p in cfg.plugins]
         self.runner: Optional[PolicyRunner] = (
