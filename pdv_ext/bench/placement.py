@@ -14,23 +14,30 @@ CPU quotas by device speed; root only) it
    the reference device's timed whole-model pass (`profile_scale`; `--uncalibrated` keeps them as timed),
 2. plans with the `dp` solver (pdv_ext.placement) from that profile and the cluster,
 3. trains the same model with (a) DeepSpeed's default `parameters` partition + row-major placement and
-   (b) the plan, alternating (a), (b) `--repeats` times in the same run, each reporting the median step time,
-4. predicts both step times with the placement cost model (on the parts/mapping the runs really used).
+   (b) the plan, alternating (a), (b) `--repeats` times in the same run, each reporting the median step time;
+   before every repeat after the first it profiles again (step 1; `--single-profile`: only once),
+4. predicts both step times with the placement cost model (on the parts/mapping the runs really used) from
+   all profiles at once (`Profile.combined`: per-layer medians, every device's timings pooled), so the
+   predictions sample the same stretch of the shared machine's load as the measurements do;
+   `first_profile_prediction_error` is the error of the first profile alone, the one the plan came from.
 
 With the YAML fallback, planning and predictions use the cluster as emulated: where the kernel has no
 sch_netem the links carry no added latency (`pdv emulate` says so), so their latencies are taken as 0
 (`latency_emulated: false`); the probe measures whatever latency there is.
 
 Output: {"default_ms", "planned_ms", "speedup", "predicted_default_ms", "predicted_planned_ms",
-"prediction_error"} (|predicted - measured| / measured, the worse of the two) plus what was compared.
+"prediction_error"} (|predicted - measured| / measured, the worse of the two) plus what was compared and
+`host_steal`, the hypervisor's share of the CPU during each emulated run (where it is high the devices did
+not get their quotas).
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
 import tempfile
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from .common import check_ranges, emit, log, median, parser
 
@@ -55,6 +62,8 @@ def _args(argv):
     ap.add_argument("--no-probe", action="store_true", help="plan and predict on the YAML, not a probed cluster")
     ap.add_argument("--matmul-speeds", action="store_true",
                     help="device speeds from the probe's matmul, not from timing the model on every device")
+    ap.add_argument("--single-profile", action="store_true",
+                    help="profile once, before planning (default: again before every repeat, predictions from all)")
     ap.add_argument("--uncalibrated", action="store_true",
                     help="keep the per-layer times as profiled, not scaled to the whole model's timed pass")
     a = ap.parse_args(argv)
@@ -67,15 +76,28 @@ def _args(argv):
     return a
 
 
-def _emulate(spec, cmd: List[str], timeout: float) -> bool:
-    """Run `cmd` on the emulated cluster; True when link latencies were emulated (sch_netem present)."""
+#: the VM's steal share of the CPU during each emulated run, by run label (probe, profile0, default0, ...)
+STEAL: Dict[str, Optional[float]] = {}
+
+
+def _emulate(spec, cmd: List[str], timeout: float, label: str, attempts: int = 2) -> bool:
+    """Run `cmd` on the emulated cluster; True when link latencies were emulated (sch_netem present).
+    Records the hypervisor's steal share during the run in STEAL (quotas are not delivered under steal).
+    A failed run is retried (`attempts` in all), loudly: a rank of a finished measurement has been seen
+    aborting in gloo's teardown ("terminate called without an active exception"), which should not cost
+    the whole benchmark; a second failure is an error."""
+    from ..emulate.hoststat import StealMeter
     from ..emulate.launcher import Emulation
 
-    emu = Emulation(spec, cmd, timeout=timeout, out=sys.stderr.buffer)
-    code = emu.run()
-    if code != 0:
-        raise RuntimeError(f"emulated run failed with exit code {code}: {' '.join(cmd)}")
-    return bool(emu.net and emu.net.netem)
+    for attempt in range(1, attempts + 1):
+        emu = Emulation(spec, cmd, timeout=timeout, out=sys.stderr.buffer)
+        meter = StealMeter()
+        code = emu.run()
+        STEAL[label] = meter.fraction()
+        if code == 0:
+            return bool(emu.net and emu.net.netem)
+        log(f"{label}: emulated run failed with exit code {code} (attempt {attempt}/{attempts})")
+    raise RuntimeError(f"emulated run failed with exit code {code}: {' '.join(cmd)}")
 
 
 def _without_latency(cluster):
@@ -162,6 +184,7 @@ def main(argv=None) -> int:
         print(f"pdv bench placement: --default-stages {a.default_stages} must divide the cluster's {len(cluster)} "
               "devices", file=sys.stderr)
         return 2
+    STEAL.clear()
     try:
         check_available()
     except EmulationUnavailable as exc:
@@ -180,7 +203,7 @@ def main(argv=None) -> int:
             try:
                 _emulate(spec, [sys.executable, "-m", "pdv_ext.cli", "probe", "--out", probed_path,
                                 "--sizes", "2097152", "4194304", "8388608", "--reps", "3", "--matmul-size", "1024"],
-                         a.timeout)
+                         a.timeout, "probe")
                 cluster, source = _probed_cluster(yaml_cluster, probed_path, ref), "probed"
                 probed = [round(cluster.speed(i), 3) for i in range(len(cluster))]
                 log(f"probed speeds {probed} (YAML {[round(yaml_cluster.speed(i), 3) for i in range(len(cluster))]}), "
@@ -189,50 +212,75 @@ def main(argv=None) -> int:
             except Exception as exc:  # noqa: BLE001 - any failure: fall back to the YAML, loudly
                 log(f"pdv probe failed ({exc}); FALLING BACK to the cluster YAML as written (cluster_source: yaml)")
                 cluster, source = yaml_cluster, "yaml"
-        log(f"profiling the demo GPT on the reference device of {a.cluster}")
-        latency_emulated = _emulate(spec, timer + ["profile", "--cluster", a.cluster, "--out", prof_path,
-                                                    "--workload-speeds"] + model, a.timeout)
+
+        def run_profile(i: int):
+            """Profile on the reference device (every device times the whole model too); the raw profile."""
+            path = os.path.join(tmp, f"profile{i}.json")
+            log(f"profiling the demo GPT on the reference device of {a.cluster} ({i + 1}/{n_profiles})")
+            emulated = _emulate(spec, timer + ["profile", "--cluster", a.cluster, "--out", path,
+                                               "--workload-speeds"] + model, a.timeout, f"profile{i}")
+            raw = Profile.load(path)
+            log(f"  engine work on the reference device: micro-batch {raw.engine_micro_batch * 1e3:.2f} ms, "
+                f"step {raw.engine_step * 1e3:.2f} ms; whole model per device "
+                f"{[round(w * 1e3, 1) for w in raw.meta.get('workload_seconds') or []]} ms")
+            return raw, emulated
+
+        def prepared(raws, cluster_in):
+            """(profile, cluster, speed source) the cost model uses, from one or more raw profiles: device
+            speeds from the devices' timed forward + backward of the whole model (all rounds pooled), each
+            profile's layer times scaled to its own reference-device whole pass, then their median."""
+            pooled = Profile.combined(raws)
+            cl, how = cluster_in, "matmul (probe)" if source == "probed" else "yaml"
+            if source == "probed" and pooled.meta.get("workload_seconds") and not a.matmul_speeds:
+                cl, how = _probed_cluster(yaml_cluster, probed_path, ref, pooled), "workload"
+            if not a.uncalibrated and all(r.meta.get("workload_seconds") for r in raws):
+                pooled = Profile.combined([r.calibrated(r.meta["workload_seconds"][ref]) for r in raws])
+            return pooled, cl, how
+
+        n_profiles = 1 if a.single_profile else a.repeats
+        raw, latency_emulated = run_profile(0)
+        raws = [raw]
         if not latency_emulated and source == "yaml":
             cluster = _without_latency(cluster)
-        profile = Profile.load(prof_path)
-        log(f"engine work on the reference device: {profile.engine}")
-        speed_source = "matmul (probe)" if source == "probed" else "yaml"
-        if source == "probed" and profile.meta.get("workload_seconds") and not a.matmul_speeds:
-            cluster = _probed_cluster(yaml_cluster, probed_path, ref, profile)
-            speed_source = "workload"
-            log(f"device speeds on the model's forward + backward "
-                f"({[round(w * 1e3, 1) for w in profile.meta['workload_seconds']]} ms): "
-                f"{[round(cluster.speed(i), 3) for i in range(len(cluster))]}")
-        if profile.meta.get("workload_seconds") and not a.uncalibrated:
-            # the layers' total from the whole model's pass, timed on the same device just before
-            profile = profile.calibrated(profile.meta["workload_seconds"][ref])
-            log(f"layer times scaled by {profile.meta['fwd_bwd_scale']:.3f} to the whole model's forward + "
-                "backward on the reference device")
-        os.makedirs(ARTIFACTS, exist_ok=True)  # what the predictions were made from, for inspection
-        profile.save(os.path.join(ARTIFACTS, "profile.json"))
-        cluster.save(os.path.join(ARTIFACTS, "cluster.yaml"))
-        plan = solve("dp", profile, cluster, None, a.micro_batches)
+        base = cluster  # as probed (or the YAML): the device speeds of `prepared` replace its throughputs
+        profile, plan_cluster, speed_source = prepared(raws, base)
+        log(f"device speeds ({speed_source}): {[round(plan_cluster.speed(i), 3) for i in range(len(plan_cluster))]}; "
+            f"layer times scaled by {profile.meta.get('fwd_bwd_scale', 1.0):.3f}")
+        os.makedirs(ARTIFACTS, exist_ok=True)  # what the predictions were made from, and the runs, for inspection
+        for old in glob.glob(os.path.join(ARTIFACTS, "*[0-9].json")):  # an earlier benchmark's runs
+            os.remove(old)
+        plan = solve("dp", profile, plan_cluster, None, a.micro_batches)
         plan.save(plan_path)
         log(f"dp plan: boundaries {plan.boundaries} mapping {plan.rank_mapping} "
             f"predicted {plan.predicted_step_time * 1e3:.1f} ms")
         runs: Dict[str, List[Dict[str, Any]]] = {"default": [], "planned": []}
         for rep in range(a.repeats):
+            if 0 < rep < n_profiles:  # profile again before each pair: the prediction samples the same hours
+                raws.append(run_profile(rep)[0])
             for which in ("default", "planned"):
-                out = os.path.join(tmp, f"{which}{rep}.json")
+                out = os.path.join(ARTIFACTS, f"{which}{rep}.json")  # kept: per-rank instruction times
                 extra = ["--plan", plan_path] if which == "planned" else ["--stages", str(a.default_stages)]
                 log(f"run {rep + 1}/{a.repeats}: {which}")
                 _emulate(spec, timer + ["train", "--out", out, "--steps", str(a.steps), "--warmup", str(a.warmup),
-                                        "--breakdown"] + model + extra, a.timeout)
+                                        "--breakdown"] + model + extra, a.timeout, f"{which}{rep}")
                 with open(out) as f:
                     runs[which].append(json.load(f))
                 log(f"  {which}: median step {runs[which][-1]['median_step_ms']:.1f} ms")
+        # predictions from all profiles at once, so they sample the same stretch of the machine's load as the runs
+        profile, cluster, speed_source = prepared(raws, base)
+        first_profile = prepared(raws[:1], base)[:2]  # what the plan was made from
+        profile.save(os.path.join(ARTIFACTS, "profile.json"))
+        cluster.save(os.path.join(ARTIFACTS, "cluster.yaml"))
     measured = {k: median([r["median_step_ms"] for r in v]) for k, v in runs.items()}
-    predicted, tails, stages = {}, {}, {}
-    for k, v in runs.items():
-        used = v[-1]
-        cb = evaluate(profile, cluster, used["parts"], used["rank_mapping"], a.micro_batches)
-        predicted[k], tails[k] = cb.step_time * 1e3, cb.tail_time * 1e3
-        stages[k] = stage_comparison(cb, [r.get("breakdown_ms") for r in v], a.micro_batches)
+
+    def predict(prof, cl):  # on the parts / mapping the runs really used
+        return {k: evaluate(prof, cl, v[-1]["parts"], v[-1]["rank_mapping"], a.micro_batches) for k, v in runs.items()}
+
+    cbs = predict(profile, cluster)
+    predicted = {k: cb.step_time * 1e3 for k, cb in cbs.items()}
+    tails = {k: cb.tail_time * 1e3 for k, cb in cbs.items()}
+    stages = {k: stage_comparison(cbs[k], [r.get("breakdown_ms") for r in runs[k]], a.micro_batches) for k in runs}
+    first = {k: cb.step_time * 1e3 for k, cb in predict(*first_profile).items()}
     err = max(abs(predicted[k] - measured[k]) / measured[k] for k in measured)
     result = {
         "default_ms": round(measured["default"], 2),
@@ -241,6 +289,9 @@ def main(argv=None) -> int:
         "predicted_default_ms": round(predicted["default"], 2),
         "predicted_planned_ms": round(predicted["planned"], 2),
         "prediction_error": round(err, 3),
+        # the same predictions from the first profile alone (the one the plan was made from)
+        "first_profile_prediction_error": round(max(abs(first[k] - measured[k]) / measured[k] for k in measured), 3),
+        "profiles": len(raws),
         **{k: {"parts": v[-1]["parts"], "rank_mapping": v[-1]["rank_mapping"],
                "runs_ms": [round(r["median_step_ms"], 1) for r in v],
                "predicted_tail_ms": round(tails[k], 2), "stages": stages[k]} for k, v in runs.items()},
@@ -256,6 +307,9 @@ def main(argv=None) -> int:
         "engine_step_ms": round(profile.engine_step * 1e3, 3),
         "cluster": os.path.relpath(a.cluster, ROOT) if a.cluster.startswith(ROOT) else a.cluster,
         "micro_batches": a.micro_batches, "steps": a.steps, "repeats": a.repeats,
+        # the hypervisor's share of the CPU during probe, profile and each training run: where it is high the
+        # devices did not get their quotas and the emulated speeds drifted (docs/placement.md)
+        "host_steal": {k: None if f is None else round(f, 3) for k, f in STEAL.items()},
     }
     emit(result, a.json)
     return 0

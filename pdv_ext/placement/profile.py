@@ -110,6 +110,47 @@ class Profile:
         return replace(self, layers=[replace(l, fwd_bwd=l.fwd_bwd * k) for l in self.layers],
                        meta={**self.meta, "fwd_bwd_scale": k}, engine=None if self.engine is None else dict(self.engine))
 
+    @classmethod
+    def combined(cls, profiles: Sequence["Profile"]) -> "Profile":
+        """One profile from several of the same model (e.g. taken between the runs of a benchmark, so that
+        what the machine's load did meanwhile is sampled too): per layer the median of each time
+        (`fwd_bwd`, `update`, `p2p`), the median of the engine's two numbers, and `meta.workload_rounds`
+        pooled device by device (`meta.workload_seconds` their medians). Sizes must agree: they are the
+        model's, not the machine's."""
+        profiles = list(profiles)
+        if not profiles:
+            raise ValueError("Profile.combined needs at least one profile")
+        first = profiles[0]
+        timed = ("fwd_bwd", "update", "p2p")
+        for i, p in enumerate(profiles[1:], 1):
+            if [l.name for l in p.layers] != [l.name for l in first.layers] or p.micro_batch != first.micro_batch:
+                raise ValueError(f"profile {i} is not of the same model as profile 0 "
+                                 f"(layers or micro-batch size differ)")
+            for a, b in zip(first.layers, p.layers):
+                diff = [f.name for f in fields(LayerProfile) if f.name not in timed and getattr(a, f.name) != getattr(b, f.name)]
+                if diff:
+                    raise ValueError(f"profile {i}, layer {a.name}: {', '.join(diff)} differ from profile 0")
+        layers = [replace(l, **{k: statistics.median(getattr(p.layers[j], k) for p in profiles) for k in timed})
+                  for j, l in enumerate(first.layers)]
+        engine = None
+        if all(p.engine is not None for p in profiles):
+            engine = {**first.engine, "micro_batch": statistics.median(p.engine_micro_batch for p in profiles),
+                      "step": statistics.median(p.engine_step for p in profiles)}
+        meta = {**first.meta, "profiles_combined": len(profiles)}
+        for key in ("fwd_bwd_scale",):
+            if all(key in p.meta for p in profiles):
+                meta[key] = statistics.median(p.meta[key] for p in profiles)
+                meta[key + "s"] = [p.meta[key] for p in profiles]
+        rounds = [p.meta.get("workload_rounds") for p in profiles]
+        if all(r is not None for r in rounds) and len({len(r) for r in rounds}) == 1:
+            pooled = [[v for r in rounds for v in r[d]] for d in range(len(rounds[0]))]
+            meta["workload_rounds"] = pooled
+            meta["workload_seconds"] = [statistics.median(v) for v in pooled]
+        else:
+            meta.pop("workload_rounds", None)
+            meta.pop("workload_seconds", None)
+        return replace(first, layers=layers, meta=meta, engine=engine)
+
     @property
     def engine_micro_batch(self) -> float:
         """Seconds of DeepSpeed's work per micro-batch and stage on the profiling device (0 if not measured)."""

@@ -1,11 +1,17 @@
-"""`pdv probe` under `pdv emulate` recovers the emulated link bandwidths within 20% and the device speeds within
-40% (the CPU emulation's own error, see SPEED_TOL) (root)."""
+"""`pdv probe` under `pdv emulate` recovers the emulated link bandwidths and device speeds within 20% (root).
+
+Device speeds are CPU quotas, which are ceilings, not guarantees: on a VM whose host steals CPU time the
+devices do not get them. Where the steal share during the run exceeds STEAL_LIMIT the speeds are held to
+the looser NOISY_SPEED_TOL (the run says so), links to 20% always."""
 import os
 import secrets
 import subprocess
 import sys
+import warnings
 
 import pytest
+
+from pdv_ext.emulate.hoststat import StealMeter
 
 from .test_emulate_cluster import REASON, ROOT, _leftovers
 
@@ -27,19 +33,11 @@ links:
 """
 
 
-def _steal_ticks():
-    """Clock ticks the hypervisor took from this VM so far (the 8th field of /proc/stat's cpu line)."""
-    with open("/proc/stat") as f:
-        fields = f.readline().split()
-    return int(fields[8]) if len(fields) > 8 else 0
-
-
-def _busy_ticks():
-    with open("/proc/stat") as f:
-        return sum(int(x) for x in f.readline().split()[1:])
-
-
-SPEED_TOL = 0.4
+TOL = 0.2  # the issue's bound, for links and (on a host that delivers the quotas) device speeds
+# Seen on this VM kind under heavy steal (2026-11-23, up to 50%): the 0.2-core device at 0.35-0.49 of the
+# 0.4-core ones (nominal 0.5); with no steal (2026-11-24): 0.52-0.55 over three probes.
+NOISY_SPEED_TOL = 0.4
+STEAL_LIMIT = 0.05
 
 
 @pytest.mark.timeout(150)
@@ -50,7 +48,7 @@ def test_probe_recovers_emulated_cluster(tmp_path):
     src, out = tmp_path / "emulated.yaml", tmp_path / "probed.yaml"
     src.write_text(CLUSTER)
     run = f"pdv-{secrets.token_hex(3)}"
-    steal0, all0 = _steal_ticks(), _busy_ticks()
+    meter = StealMeter()
     p = subprocess.run([sys.executable, "-m", "pdv_ext.cli", "emulate", "--cluster", str(src), "--run-name", run,
                         # A quota is a ceiling, not a guarantee: on a VM whose host steals CPU time a fast
                         # device given 0.64 of a core got only ~0.5 while the slow one still got its 0.32, and
@@ -64,6 +62,7 @@ def test_probe_recovers_emulated_cluster(tmp_path):
                         # matmuls long enough to span many CFS periods of the throttled ranks
                         "--matmul-size", "1024"],
                        capture_output=True, text=True, timeout=140, cwd=ROOT)
+    steal = meter.fraction() or 0.0
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert not _leftovers(run)
     want, got = Cluster.load(str(src)), Cluster.load(str(out))
@@ -71,21 +70,22 @@ def test_probe_recovers_emulated_cluster(tmp_path):
     n = len(want)
     top_want = max(want.devices[i].throughput for i in range(n))
     top_got = max(got.devices[i].throughput for i in range(n))
+    speed_tol = TOL if steal <= STEAL_LIMIT else NOISY_SPEED_TOL
     errors = []
     for i in range(n):
         rel_want = want.devices[i].throughput / top_want
         rel_got = got.devices[i].throughput / top_got
-        # Links within 20%, device speeds within SPEED_TOL: the emulation itself is less exact for CPU than
-        # for links. Timed in this test's pattern (2026-11-23, 15 interleaved rounds), one 0.1 s matmul
-        # sample swung +-25% (fast devices 22-36 GFLOP/s, the slow one 9-15), and the 0.2-core device
-        # delivered a median 0.42 of the 0.4-core ones, not 0.5: a throttled group also loses FLOP per
-        # CPU-second on this VM (docs/playground.md). Probe results over seven runs: 0.35-0.49.
-        if abs(rel_got - rel_want) > SPEED_TOL * rel_want:
+        # Under steal (2026-11-23, 15 interleaved rounds) one 0.1 s matmul sample swung +-25% and the 0.2-core
+        # device delivered a median 0.42 of the 0.4-core ones, not 0.5 (docs/playground.md).
+        if abs(rel_got - rel_want) > speed_tol * rel_want:
             errors.append(f"device {i} speed {rel_got:.2f} (emulated {rel_want:.2f})")
         for j in range(n):
             if i != j:
                 bw_want, bw_got = want.link(i, j).bandwidth, got.link(i, j).bandwidth
-                if abs(bw_got - bw_want) > 0.2 * bw_want:
+                if abs(bw_got - bw_want) > TOL * bw_want:
                     errors.append(f"link {i}->{j} {bw_got * 8 / 1e6:.0f} Mbit/s (emulated {bw_want * 8 / 1e6:.0f})")
-    steal = (_steal_ticks() - steal0) / max(_busy_ticks() - all0, 1)
-    assert not errors, "; ".join(errors) + f" (the VM's steal time during the run: {steal:.0%})"
+    if speed_tol != TOL:
+        warnings.warn(f"host steal {steal:.0%} > {STEAL_LIMIT:.0%} during the probe: device speeds checked within "
+                      f"{speed_tol:.0%}, not {TOL:.0%}")
+    assert not errors, "; ".join(errors) + f" (the VM's steal time during the run: {steal:.0%}; speed tolerance " \
+        f"{speed_tol:.0%})"

@@ -83,3 +83,32 @@ def test_calibrated_profile_sums_to_the_whole_pass_and_keeps_shares():
     with pytest.raises(ValueError, match="cannot calibrate"):
         prof.calibrated(0.0)
 
+
+
+def test_combined_profile_takes_medians_and_pools_device_timings():
+    import pytest
+
+    from pdv_ext.placement.profile import LayerProfile, Profile
+
+    def prof(t, upd, eng_mb, rounds, scale):
+        return Profile([LayerProfile("a", t, 8.0, 16.0, 32.0, upd, 0.001), LayerProfile("b", 2 * t, 8.0, 16.0, 32.0, upd, 0.002)],
+                       meta={"workload_rounds": rounds, "workload_seconds": [0, 0], "fwd_bwd_scale": scale},
+                       engine={"micro_batch": eng_mb, "step": 10 * eng_mb, "slope": 1.0})
+
+    profs = [prof(0.010, 0.004, 0.001, [[1.0, 2.0], [4.0]], 0.9), prof(0.030, 0.001, 0.003, [[3.0], [5.0, 6.0]], 1.1),
+             prof(0.020, 0.002, 0.002, [[9.0], [7.0]], 1.0)]
+    c = Profile.combined(profs)
+    assert [l.fwd_bwd for l in c.layers] == [0.020, 0.040] and [l.update for l in c.layers] == [0.002, 0.002]
+    assert [l.param_bytes for l in c.layers] == [8.0, 8.0]
+    assert c.engine == {"micro_batch": 0.002, "step": 0.02, "slope": 1.0}
+    assert c.meta["workload_rounds"] == [[1.0, 2.0, 3.0, 9.0], [4.0, 5.0, 6.0, 7.0]]
+    assert c.meta["workload_seconds"] == [2.5, 5.5]  # medians of the pooled rounds, not of the medians
+    assert c.meta["fwd_bwd_scale"] == 1.0 and c.meta["fwd_bwd_scales"] == [0.9, 1.1, 1.0]
+    assert c.meta["profiles_combined"] == 3 and profs[0].layers[0].fwd_bwd == 0.010  # inputs untouched
+    assert Profile.combined(profs[:1]).layers == profs[0].layers
+    other = prof(0.01, 0.0, 0.0, [[1.0], [1.0]], 1.0)
+    other.layers[1].act_bytes = 99.0
+    with pytest.raises(ValueError, match="layer b: act_bytes differ"):
+        Profile.combined([profs[0], other])
+    with pytest.raises(ValueError, match="at least one"):
+        Profile.combined([])
