@@ -128,6 +128,10 @@ class _InstructionTimes:
         self.wall: Dict[str, float] = {}
         self.cpu: Dict[str, float] = {}
         wrap_instructions(engine, lambda instr, fn: self._timed(instr.__name__, fn))
+        # after the schedule, train_batch averages the loss over the last stage's replicas and broadcasts
+        # it along each pipeline: small collectives that are no instruction (else counted as `outside`)
+        agg = self._timed("AggregateLoss", type(engine)._aggregate_total_loss)
+        engine._aggregate_total_loss = lambda: agg(engine)
 
     def _timed(self, name, fn):
         def run(engine, *args, **kwargs):
