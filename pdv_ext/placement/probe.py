@@ -86,7 +86,7 @@ def in_turns(sample: Callable[[], float], rounds: int) -> List[float]:
 
 
 def measure(sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 5, matmul_size: int = 512,
-            progress: bool = True) -> Optional[Dict]:
+            progress: bool = True, rounds: Optional[int] = None) -> Optional[Dict]:
     """Collective over the launched ranks; returns the cluster dict on rank 0 (None elsewhere)."""
     import torch.distributed as dist
 
@@ -96,7 +96,7 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 5, matmul_size: in
     name = os.environ.get("PDV_DEVICE_NAME") or f"rank{rank}"
     host = os.environ.get("PDV_HOST") or socket.gethostname()
     flops = statistics.median(in_turns(lambda: matmul_throughput(matmul_size, reps=1, min_sample_s=0.1),
-                                       max(5, reps)))
+                                       rounds or max(5, reps)))
     try:
         import psutil
 
@@ -171,7 +171,7 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
     from ..cli_args import check_ranges
 
-    check_ranges(ap, args, {"--matmul-size": 1, "--reps": 1})
+    check_ranges(ap, args, {"--matmul-size": 1, "--reps": 1, "--rounds": 1})
     if not args.sizes or min(args.sizes) < 4:
         ap.error(f"--sizes: give at least one message size, each >= 4 bytes (got {args.sizes})")
     if args.backend is not None:
@@ -186,6 +186,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--sizes", type=int, nargs="*", default=list(DEFAULT_SIZES), help="message sizes in bytes")
     ap.add_argument("--reps", type=int, default=5, help="repetitions per size (median)")
     ap.add_argument("--matmul-size", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="matmul timing rounds per device, taken in turns (median; default max(5, --reps))")
     ap.add_argument("--backend", default=None, help="torch.distributed backend (default gloo; nccl p2p on GPUs)")
     args = ap.parse_args(argv)
     _check_args(ap, args)
@@ -199,7 +201,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     dist.init_process_group(backend=args.backend or "gloo")
     try:
-        data = measure(sorted(args.sizes), args.reps, args.matmul_size)
+        data = measure(sorted(args.sizes), args.reps, args.matmul_size, rounds=args.rounds)
         if data is not None:
             measured = data.pop("measured_pairs")
             with open(args.out, "w", encoding="utf-8") as f:

@@ -59,8 +59,9 @@ def test_probe_recovers_emulated_cluster(tmp_path):
                         # bandwidth-dominated sizes: latency is not emulated without sch_netem, and small
                         # messages to a CPU-throttled rank carry scheduling stalls that skew the fit
                         "--sizes", "2097152", "4194304", "8388608", "--reps", "3",
-                        # matmuls long enough to span many CFS periods of the throttled ranks
-                        "--matmul-size", "1024"],
+                        # matmuls long enough to span many CFS periods of the throttled ranks, and enough
+                        # rounds that one slow sample does not move the median (single samples swing +-25%)
+                        "--matmul-size", "1024", "--rounds", "15"],
                        capture_output=True, text=True, timeout=140, cwd=ROOT)
     steal = meter.fraction() or 0.0
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

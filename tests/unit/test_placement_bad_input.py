@@ -248,6 +248,7 @@ def test_profile_output_directory_checked_before_profiling(capsys):
 @pytest.mark.parametrize("args,msg", [(["--matmul-size", "0"], "--matmul-size must be >= 1"),
                                       (["--backend", "bogus"], "--backend bogus: not available"),
                                       (["--reps", "0"], "--reps must be >= 1"),
+                                      (["--rounds", "0"], "--rounds must be >= 1"),
                                       (["--sizes"], "--sizes: give at least one message size")])
 def test_probe_flags_are_checked_before_the_process_group(tmp_path, args, msg, capsys, monkeypatch):
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
