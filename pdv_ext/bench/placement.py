@@ -257,7 +257,7 @@ def main(argv=None) -> int:
             f"predicted {plan.predicted_step_time * 1e3:.1f} ms")
         runs: Dict[str, List[Dict[str, Any]]] = {"default": [], "planned": []}
         for rep in range(a.repeats):
-            if 0 < rep < n_profiles:  # profile again before each pair: the prediction samples the same hours
+            if 0 < rep < n_profiles:  # profile again before each pair: the same stretch of load as the runs
                 raws.append(run_profile(rep)[0])
             for which in ("default", "planned"):
                 out = os.path.join(ARTIFACTS, f"{which}{rep}.json")  # kept: per-rank instruction times

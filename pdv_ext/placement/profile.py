@@ -137,18 +137,18 @@ class Profile:
             engine = {**first.engine, "micro_batch": statistics.median(p.engine_micro_batch for p in profiles),
                       "step": statistics.median(p.engine_step for p in profiles)}
         meta = {**first.meta, "profiles_combined": len(profiles)}
-        for key in ("fwd_bwd_scale",):
-            if all(key in p.meta for p in profiles):
-                meta[key] = statistics.median(p.meta[key] for p in profiles)
-                meta[key + "s"] = [p.meta[key] for p in profiles]
+        if all("fwd_bwd_scale" in p.meta for p in profiles):
+            meta["fwd_bwd_scale"] = statistics.median(p.meta["fwd_bwd_scale"] for p in profiles)
+            meta["fwd_bwd_scales"] = [p.meta["fwd_bwd_scale"] for p in profiles]
         rounds = [p.meta.get("workload_rounds") for p in profiles]
+        seconds = [p.meta.get("workload_seconds") for p in profiles]
+        for key in ("workload_rounds", "workload_seconds"):
+            meta.pop(key, None)
         if all(r is not None for r in rounds) and len({len(r) for r in rounds}) == 1:
-            pooled = [[v for r in rounds for v in r[d]] for d in range(len(rounds[0]))]
-            meta["workload_rounds"] = pooled
-            meta["workload_seconds"] = [statistics.median(v) for v in pooled]
-        else:
-            meta.pop("workload_rounds", None)
-            meta.pop("workload_seconds", None)
+            meta["workload_rounds"] = [[v for r in rounds for v in r[d]] for d in range(len(rounds[0]))]
+            meta["workload_seconds"] = [statistics.median(v) for v in meta["workload_rounds"]]
+        elif all(w is not None for w in seconds) and len({len(w) for w in seconds}) == 1:  # no rounds kept
+            meta["workload_seconds"] = [statistics.median(w[d] for w in seconds) for d in range(len(seconds[0]))]
         return replace(first, layers=layers, meta=meta, engine=engine)
 
     @property

@@ -106,6 +106,10 @@ def test_combined_profile_takes_medians_and_pools_device_timings():
     assert c.meta["fwd_bwd_scale"] == 1.0 and c.meta["fwd_bwd_scales"] == [0.9, 1.1, 1.0]
     assert c.meta["profiles_combined"] == 3 and profs[0].layers[0].fwd_bwd == 0.010  # inputs untouched
     assert Profile.combined(profs[:1]).layers == profs[0].layers
+    # profiles that kept only each device's median: the medians of those
+    old = [Profile(p.layers, meta={"workload_seconds": w}) for p, w in zip(profs, ([1, 4], [3, 6], [2, 5]))]
+    assert Profile.combined(old).meta["workload_seconds"] == [2, 5]
+    assert Profile.combined(old[:1]).meta["workload_seconds"] == [1, 4]
     other = prof(0.01, 0.0, 0.0, [[1.0], [1.0]], 1.0)
     other.layers[1].act_bytes = 99.0
     with pytest.raises(ValueError, match="layer b: act_bytes differ"):
