@@ -11,7 +11,8 @@ micro-batches:
                 (DeepSpeed's own work per micro-batch: schedule loop, LoadMicroBatch, ForwardPass and
                 BackwardPass instructions' Python; send/recv instructions are gloo's work, in comm_s)
     x_s   = max over replicas r of [latency + activation bytes at the boundary / bandwidth](g_s[r] -> g_{s+1}[r])
-            (the link's transfer per micro-batch and direction; 0 after the last stage)
+            (the link's transfer per micro-batch and direction; 0 after the last stage; replicas that cross
+            between the same two hosts send at once and share that link: its bandwidth / their number)
     r_s   = data-parallel reduction of the stage's gradient bytes over g_s (aggregator's pattern)
     u_s   = sum of the stage's layers' parameter update time / speed of the slowest device of g_s
             (grad norm + optimizer step + zero_grad: once per step, on every device, after the pipeline)
@@ -43,6 +44,7 @@ this module share them.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -203,10 +205,15 @@ def stage_params(cluster: Cluster, groups: Sequence[Sequence[int]], micro_batche
         if s == s_count - 1:
             p2p.append([])
             continue
+        # the replicas of a stage send their activations at the same time: those that cross between the same
+        # two hosts share that host pair's link, like the reductions below
+        replicas = list(zip(groups[s], groups[s + 1]))
+        sharing = Counter((cluster.host_of(a), cluster.host_of(b)) for a, b in replicas
+                          if cluster.host_of(a) != cluster.host_of(b))
         pairs = {}
-        for a, b in zip(groups[s], groups[s + 1]):
+        for a, b in replicas:
             ln = cluster.link(a, b)
-            pairs[(ln.latency, ln.bandwidth)] = None
+            pairs[(ln.latency, ln.bandwidth / sharing.get((cluster.host_of(a), cluster.host_of(b)), 1))] = None
         p2p.append(list(pairs))
     # contention: how many groups cross hosts on each host's link
     crossing: Dict[str, int] = {}

@@ -164,3 +164,21 @@ def test_engine_overhead_measures_a_one_stage_engine():
     # the fit's sign is a timing (a noisy VM flipped it at 1 vs 3 micro-batches): only its shape is checked here
     assert eng["micro_batch"] >= 0 and eng["step"] >= 0 and math.isfinite(eng["slope"])
     assert eng["micro_batch"] == pytest.approx(max(eng["slope"] - eng["plain_fwd_bwd"], 0.0))
+
+
+def test_replicas_crossing_the_same_hosts_share_the_link():
+    """DeepSpeed's default 2 x 2 grid on two hosts: both pipelines send their activations from h0 to h1 at
+    the same step, through one inter-host link (the emulator's shared uplink, a real cluster's NIC)."""
+    cluster, prof = _setup()
+    both_cross = evaluate(prof, cluster, [0, 2, 3], [[0, 1], [2, 3]], micro_batches=4)
+    assert both_cross.stages[0].link == pytest.approx(0.1 + 4 / (10.0 / 2))
+    # one replica crosses h0 -> h1, the other h1 -> h0: different directions, no sharing
+    opposite = evaluate(prof, cluster, [0, 2, 3], [[0, 3], [2, 1]], micro_batches=4)
+    assert opposite.stages[0].link == pytest.approx(0.1 + 4 / 10.0)
+    # a single pipeline crossing hosts has the link to itself
+    alone = evaluate(prof, cluster, [0, 2, 3], [[0], [2]], micro_batches=4)
+    assert alone.stages[0].link == pytest.approx(0.1 + 4 / 10.0)
+    # the fill and drain pay the shared link
+    t0, t1 = (st.time for st in both_cross.stages)
+    assert both_cross.pipeline_time == pytest.approx(3 * max(t0, t1, both_cross.stages[0].link) + t0 + t1
+                                                     + 2 * both_cross.stages[0].link)
