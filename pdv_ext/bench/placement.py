@@ -78,13 +78,11 @@ def _args(argv):
     return a
 
 
-#: the VM's steal share of the CPU during each emulated run, by run label (probe, profile0, default0, ...)
-STEAL: Dict[str, Optional[float]] = {}
-
-
-def _emulate(spec, cmd: List[str], timeout: float, label: str, attempts: int = 2) -> bool:
+def _emulate(spec, cmd: List[str], timeout: float, label: str, steal: Dict[str, Optional[float]],
+             attempts: int = 2) -> bool:
     """Run `cmd` on the emulated cluster; True when link latencies were emulated (sch_netem present).
-    Records the hypervisor's steal share during the run in STEAL (quotas are not delivered under steal).
+    Records the hypervisor's steal share during the run as `steal[label]` (quotas are not delivered under
+    steal).
     A failed run is retried (`attempts` in all), loudly: a rank of a finished measurement has been seen
     aborting in gloo's teardown ("terminate called without an active exception"), which should not cost
     the whole benchmark; a second failure is an error."""
@@ -95,7 +93,7 @@ def _emulate(spec, cmd: List[str], timeout: float, label: str, attempts: int = 2
         emu = Emulation(spec, cmd, timeout=timeout, out=sys.stderr.buffer)
         meter = StealMeter()
         code = emu.run()
-        STEAL[label] = meter.fraction()
+        steal[label] = meter.fraction()
         if code == 0:
             return bool(emu.net and emu.net.netem)
         log(f"{label}: emulated run failed with exit code {code} (attempt {attempt}/{attempts})")
@@ -186,7 +184,6 @@ def main(argv=None) -> int:
         print(f"pdv bench placement: --default-stages {a.default_stages} must divide the cluster's {len(cluster)} "
               "devices", file=sys.stderr)
         return 2
-    STEAL.clear()
     try:
         check_available()
     except EmulationUnavailable as exc:
@@ -195,6 +192,7 @@ def main(argv=None) -> int:
     model = ["--layers", str(a.layers), "--hidden", str(a.hidden), "--micro-batch", str(a.micro_batch),
              "--micro-batches", str(a.micro_batches)]
     timer = [sys.executable, "-m", "pdv_ext.emulate.train_step_timer"]
+    steal: Dict[str, Optional[float]] = {}  # the VM's steal share during each emulated run, by run label
     with tempfile.TemporaryDirectory(prefix="pdv-bench-placement-") as tmp:
         prof_path, plan_path = os.path.join(tmp, "profile.json"), os.path.join(tmp, "plan.json")
         yaml_cluster, source, probed = cluster, "yaml", None
@@ -205,7 +203,7 @@ def main(argv=None) -> int:
             try:
                 _emulate(spec, [sys.executable, "-m", "pdv_ext.cli", "probe", "--out", probed_path,
                                 "--sizes", "2097152", "4194304", "8388608", "--reps", "3", "--matmul-size", "1024"],
-                         a.timeout, "probe")
+                         a.timeout, "probe", steal)
                 cluster, source = _probed_cluster(yaml_cluster, probed_path, ref), "probed"
                 probed = [round(cluster.speed(i), 3) for i in range(len(cluster))]
                 log(f"probed speeds {probed} (YAML {[round(yaml_cluster.speed(i), 3) for i in range(len(cluster))]}), "
@@ -220,7 +218,7 @@ def main(argv=None) -> int:
             path = os.path.join(tmp, f"profile{i}.json")
             log(f"profiling the demo GPT on the reference device of {a.cluster} ({i + 1}/{n_profiles})")
             emulated = _emulate(spec, timer + ["profile", "--cluster", a.cluster, "--out", path,
-                                               "--workload-speeds"] + model, a.timeout, f"profile{i}")
+                                               "--workload-speeds"] + model, a.timeout, f"profile{i}", steal)
             raw = Profile.load(path)
             log(f"  engine work on the reference device: micro-batch {raw.engine_micro_batch * 1e3:.2f} ms, "
                 f"step {raw.engine_step * 1e3:.2f} ms; whole model per device "
@@ -264,13 +262,14 @@ def main(argv=None) -> int:
                 extra = ["--plan", plan_path] if which == "planned" else ["--stages", str(a.default_stages)]
                 log(f"run {rep + 1}/{a.repeats}: {which}")
                 _emulate(spec, timer + ["train", "--out", out, "--steps", str(a.steps), "--warmup", str(a.warmup),
-                                        "--breakdown"] + model + extra, a.timeout, f"{which}{rep}")
+                                        "--breakdown"] + model + extra, a.timeout, f"{which}{rep}", steal)
                 with open(out) as f:
                     runs[which].append(json.load(f))
                 log(f"  {which}: median step {runs[which][-1]['median_step_ms']:.1f} ms")
-        # predictions from every profile taken (one, unless --reprofile)
-        profile, cluster, speed_source = prepared(raws, base)
-        first_profile = prepared(raws[:1], base)[:2]  # what the plan was made from
+        first_profile = (profile, plan_cluster)  # what the plan was made from
+        cluster = plan_cluster
+        if len(raws) > 1:  # --reprofile: predictions from every profile taken
+            profile, cluster, speed_source = prepared(raws, base)
         profile.save(os.path.join(ARTIFACTS, "profile.json"))
         cluster.save(os.path.join(ARTIFACTS, "cluster.yaml"))
     measured = {k: median([r["median_step_ms"] for r in v]) for k, v in runs.items()}
@@ -282,7 +281,7 @@ def main(argv=None) -> int:
     predicted = {k: cb.step_time * 1e3 for k, cb in cbs.items()}
     tails = {k: cb.tail_time * 1e3 for k, cb in cbs.items()}
     stages = {k: stage_comparison(cbs[k], [r.get("breakdown_ms") for r in runs[k]], a.micro_batches) for k in runs}
-    first = {k: cb.step_time * 1e3 for k, cb in predict(*first_profile).items()}
+    first = {k: cb.step_time * 1e3 for k, cb in predict(*first_profile).items()} if len(raws) > 1 else None
     err = max(abs(predicted[k] - measured[k]) / measured[k] for k in measured)
     result = {
         "default_ms": round(measured["default"], 2),
@@ -294,7 +293,7 @@ def main(argv=None) -> int:
         "profiles": len(raws),
         # with --reprofile: the same predictions from the first profile alone (the one the plan was made from)
         **({"first_profile_prediction_error": round(max(abs(first[k] - measured[k]) / measured[k] for k in measured),
-                                                    3)} if len(raws) > 1 else {}),
+                                                    3)} if first else {}),
         **{k: {"parts": v[-1]["parts"], "rank_mapping": v[-1]["rank_mapping"],
                "runs_ms": [round(r["median_step_ms"], 1) for r in v],
                "predicted_tail_ms": round(tails[k], 2), "stages": stages[k]} for k, v in runs.items()},
@@ -312,7 +311,7 @@ def main(argv=None) -> int:
         "micro_batches": a.micro_batches, "steps": a.steps, "repeats": a.repeats,
         # the hypervisor's share of the CPU during probe, profile and each training run: where it is high the
         # devices did not get their quotas and the emulated speeds drifted (docs/placement.md)
-        "host_steal": {k: None if f is None else round(f, 3) for k, f in STEAL.items()},
+        "host_steal": {k: None if f is None else round(f, 3) for k, f in steal.items()},
     }
     emit(result, a.json)
     return 0

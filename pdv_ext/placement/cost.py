@@ -208,12 +208,12 @@ def stage_params(cluster: Cluster, groups: Sequence[Sequence[int]], micro_batche
         # the replicas of a stage send their activations at the same time: those that cross between the same
         # two hosts share that host pair's link, like the reductions below
         replicas = list(zip(groups[s], groups[s + 1]))
-        sharing = Counter((cluster.host_of(a), cluster.host_of(b)) for a, b in replicas
-                          if cluster.host_of(a) != cluster.host_of(b))
+        hosts = [(cluster.host_of(a), cluster.host_of(b)) for a, b in replicas]
+        sharing = Counter(h for h in hosts if h[0] != h[1])
         pairs = {}
-        for a, b in replicas:
+        for (a, b), h in zip(replicas, hosts):
             ln = cluster.link(a, b)
-            pairs[(ln.latency, ln.bandwidth / sharing.get((cluster.host_of(a), cluster.host_of(b)), 1))] = None
+            pairs[(ln.latency, ln.bandwidth / sharing.get(h, 1))] = None
         p2p.append(list(pairs))
     # contention: how many groups cross hosts on each host's link
     crossing: Dict[str, int] = {}

@@ -84,7 +84,6 @@ def test_calibrated_profile_sums_to_the_whole_pass_and_keeps_shares():
         prof.calibrated(0.0)
 
 
-
 def test_combined_profile_takes_medians_and_pools_device_timings():
     import pytest
 
