@@ -39,6 +39,7 @@ class LayerProfile:
     saved_bytes: float = 0.0  # activation memory kept for backward, per micro-batch
     update: float = 0.0     # seconds per step on the profiling device: grad norm + optimizer step + zero_grad
     p2p: float = 0.0        # seconds to send + receive act_bytes once (both ends), on the profiling device
+    fwd: float = 0.0        # the forward alone (part of fwd_bwd); 0 = not timed (the schedule replay takes 1/3)
 
 
 # -- the JSON schema (validated on load, so a bad value names its key instead of surfacing in the cost model) --
@@ -85,12 +86,13 @@ class Profile:
     # -- arrays the cost model and solvers use ------------------------------------------------------
     def arrays(self) -> Dict[str, np.ndarray]:
         return {k: np.array([getattr(l, k) for l in self.layers], dtype=float)
-                for k in ("fwd_bwd", "param_bytes", "act_bytes", "saved_bytes", "update", "p2p")}
+                for k in ("fwd_bwd", "param_bytes", "act_bytes", "saved_bytes", "update", "p2p", "fwd")}
 
     def scaled(self, speed: float) -> "Profile":
         """The profile as seen on a device `speed` times as fast as the profiling device."""
         return replace(
-            self, layers=[replace(l, fwd_bwd=l.fwd_bwd / speed, update=l.update / speed, p2p=l.p2p / speed)
+            self, layers=[replace(l, fwd_bwd=l.fwd_bwd / speed, update=l.update / speed, p2p=l.p2p / speed,
+                                  fwd=l.fwd / speed)
                           for l in self.layers],
             device_throughput=None if self.device_throughput is None else self.device_throughput * speed,
             meta=dict(self.meta),
@@ -107,7 +109,7 @@ class Profile:
             raise ValueError(f"cannot calibrate a profile whose forward + backward sums to {total} "
                              f"against {total_fwd_bwd} s")
         k = total_fwd_bwd / total
-        return replace(self, layers=[replace(l, fwd_bwd=l.fwd_bwd * k) for l in self.layers],
+        return replace(self, layers=[replace(l, fwd_bwd=l.fwd_bwd * k, fwd=l.fwd * k) for l in self.layers],
                        meta={**self.meta, "fwd_bwd_scale": k}, engine=None if self.engine is None else dict(self.engine))
 
     @classmethod
@@ -121,7 +123,7 @@ class Profile:
         if not profiles:
             raise ValueError("Profile.combined needs at least one profile")
         first = profiles[0]
-        timed = ("fwd_bwd", "update", "p2p")
+        timed = ("fwd_bwd", "update", "p2p", "fwd")
         for i, p in enumerate(profiles[1:], 1):
             if [l.name for l in p.layers] != [l.name for l in first.layers] or p.micro_batch != first.micro_batch:
                 raise ValueError(f"profile {i} is not of the same model as profile 0 "
@@ -340,7 +342,7 @@ def message_time(sizes: Sequence[float], reps: int = 5, warmup: int = 1) -> Dict
 
 
 def _fwd_bwd(mod: Any, x: Any, sync: Callable[[], None], loss: Optional[Callable] = None):
-    """(seconds, saved bytes, output) of one forward+backward of `mod` on `x`: backward from `loss(output)`
+    """(seconds, saved bytes, output, forward seconds) of one forward+backward of `mod` on `x`: backward from `loss(output)`
     when given, else from a gradient of ones on every output that needs one."""
     import torch
 
@@ -356,6 +358,8 @@ def _fwd_bwd(mod: Any, x: Any, sync: Callable[[], None], loss: Optional[Callable
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = mod(inp)
         l = loss(y) if loss is not None else None
+    sync()
+    t_fwd = time.perf_counter() - t0
     if l is not None:
         l.backward()
     else:
@@ -363,7 +367,7 @@ def _fwd_bwd(mod: Any, x: Any, sync: Callable[[], None], loss: Optional[Callable
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
     sync()
-    return time.perf_counter() - t0, saved[0], y
+    return time.perf_counter() - t0, saved[0], y, t_fwd
 
 
 def profile_layers(layers: Sequence[Any], sample_input: Any, reps: int = 5, warmup: int = 1,
@@ -405,7 +409,7 @@ def profile_layers(layers: Sequence[Any], sample_input: Any, reps: int = 5, warm
     params = [list(m.parameters()) if isinstance(m, nn.Module) else [] for m in built]
     updates = [_Update(p, optimizer) for p in params]
     n = len(built)
-    times, upd = [[] for _ in range(n)], [[] for _ in range(n)]
+    times, upd, fwds = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
     saved, act = [0.0] * n, [0.0] * n
     rounds = range(warmup + reps)
     if progress:
@@ -415,12 +419,13 @@ def profile_layers(layers: Sequence[Any], sample_input: Any, reps: int = 5, warm
     try:
         for r in rounds:
             for i, mod in enumerate(built):
-                dt, saved_i, y = _fwd_bwd(mod, inputs[i], sync, last_loss if i == n - 1 else None)
+                dt, saved_i, y, fw = _fwd_bwd(mod, inputs[i], sync, last_loss if i == n - 1 else None)
                 for p in params[i]:
                     p.grad = None
                 u = updates[i].sample(sync)
                 if r >= warmup:
                     times[i].append(dt)
+                    fwds[i].append(fw)
                     upd[i].append(u)
                     saved[i], act[i] = float(saved_i), _nbytes(y)
     finally:
@@ -428,7 +433,8 @@ def profile_layers(layers: Sequence[Any], sample_input: Any, reps: int = 5, warm
             u.restore()
     out = [LayerProfile(type(mod).__name__ if not hasattr(spec, "typename") else spec.typename.__name__,
                         float(statistics.median(times[i])), float(sum(p.numel() * p.element_size() for p in params[i])),
-                        act[i], saved[i], float(statistics.median(upd[i])))
+                        act[i], saved[i], float(statistics.median(upd[i])),
+                        fwd=float(statistics.median(fwds[i])))
            for i, (mod, spec) in enumerate(zip(built, layers))]
     if dev == "cpu":
         msg = message_time([l.act_bytes for l in out], reps, warmup)
