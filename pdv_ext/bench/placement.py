@@ -6,17 +6,21 @@ CPU quotas by device speed; root only) it
    device's quota, link bandwidth/latency per pair); the plan and the predictions use the probed cluster
    (the YAML's names, hosts and memory; throughputs and links as probed, `cluster_source: probed`), or the
    YAML when the probe fails (`cluster_source: yaml`, logged),
-1. has every device in turn time the demo GPT's forward + backward under its quota (its speed on the
-   model's own operations, which replaces the probe's matmul throughput: `speed_source: workload`; a
-   0.15-core quota device runs them slower than its matmul rate says), then profiles the layers on the
+1. has every device in turn time the demo GPT's forward + backward under its quota, kept busy (its speed on
+   the model's own operations); a device's speed is the geometric mean of that and the probe's matmul
+   throughput, both relative to the reference device (`--speeds combined`, the default: two independent
+   timings with noise of the same size; `workload` or `matmul` takes one), then profiles the layers on the
    cluster's reference device (under that device's quota), and DeepSpeed's own work per micro-batch and
    per step there (one-stage engines over trivially cheap layers); the layers' times are scaled to sum to
    the reference device's timed whole-model pass (`profile_scale`; `--uncalibrated` keeps them as timed),
 2. plans with the `dp` solver (pdv_ext.placement) from that profile and the cluster,
 3. trains the same model with (a) DeepSpeed's default `parameters` partition + row-major placement and
    (b) the plan, alternating (a), (b) `--repeats` times in the same run, each reporting the median step time,
-4. predicts both step times with the placement cost model (on the parts/mapping the runs really used) from
-   the profile the plan was made from: a prediction made before the runs, as a user's planner makes it.
+4. predicts both step times by replaying DeepSpeed's 1F1B schedule (`placement.simulate.replay`, on the
+   parts/mapping the runs really used) from the profile the plan was made from: a prediction made before
+   the runs, as a user's planner makes it. The closed form the `dp` solver optimises (`cost.evaluate`) is
+   reported beside it (`analytic_default_ms`, `analytic_planned_ms`). The profile's per-message work (`p2p`)
+   is the reference device's CPU for a send and a receive over the emulated link (`profile_p2p_ms`).
    `--reprofile` profiles again before every repeat and predicts from all profiles at once
    (`Profile.combined`: per-layer medians, every device's timings pooled), sampling the same stretch of
    the shared machine's load as the runs; `first_profile_prediction_error` is then the error of the
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import sys
 import tempfile
@@ -62,8 +67,10 @@ def _args(argv):
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=600.0, help="per emulated run")
     ap.add_argument("--no-probe", action="store_true", help="plan and predict on the YAML, not a probed cluster")
-    ap.add_argument("--matmul-speeds", action="store_true",
-                    help="device speeds from the probe's matmul, not from timing the model on every device")
+    ap.add_argument("--speeds", choices=["combined", "workload", "matmul"], default="combined",
+                    help="device speeds from the model timed on every device (workload), the probe's matmul, or "
+                         "the geometric mean of both (combined, the default)")
+    ap.add_argument("--matmul-speeds", action="store_true", help="the same as --speeds matmul")
     ap.add_argument("--reprofile", action="store_true",
                     help="profile again before every repeat and predict from all profiles (default: the plan's profile)")
     ap.add_argument("--uncalibrated", action="store_true",
@@ -71,6 +78,8 @@ def _args(argv):
     a = ap.parse_args(argv)
     if a.quick:
         a.repeats, a.steps, a.warmup = 1, 3, 1
+    if a.matmul_speeds:
+        a.speeds = "matmul"
     check_ranges(ap, a, {"--repeats": 1, "--steps": 1, "--warmup": 0, "--default-stages": 1, "--layers": 1,
                          "--hidden": 1, "--micro-batch": 1, "--micro-batches": 1}, ["--timeout"])
     if a.hidden % 4:  # the demo GPT of train_step_timer has 4 attention heads
@@ -112,14 +121,16 @@ def _without_latency(cluster):
     return Cluster.from_dict(d)
 
 
-def _probed_cluster(yaml_cluster, probed_path: str, reference: int, profile=None):
+def _probed_cluster(yaml_cluster, probed_path: str, reference: int, profile=None, combine: bool = False):
     """The YAML's devices (names, hosts, memory: the emulated limits, not the machine's RAM the probe
     sees) with the probed links and throughputs. When the profile carries every device's time for the
     model's own forward + backward (`meta.workload_seconds`, measured one device at a time right before
     profiling), the throughputs are 1 / that time: each device's speed on the model's operations (a
     CPU-quota device loses more of its share to descheduling on short operations than a long matmul
-    shows); else the probe's matmul throughputs. Speeds are relative to the profiling device
-    (`reference`)."""
+    shows); else the probe's matmul throughputs. With `combine`, the geometric mean of the two relative
+    speeds: two independent timings of each device, in turns, whose noise on this machine was of the same
+    size (the 0.1-core device: 0.214-0.263 of the reference from its workload, 0.23-0.254 from the matmul,
+    four benchmark runs of 2026-11-25). Speeds are relative to the profiling device (`reference`)."""
     from ..placement.cluster import Cluster
 
     probed = Cluster.load(probed_path)
@@ -129,7 +140,8 @@ def _probed_cluster(yaml_cluster, probed_path: str, reference: int, profile=None
     thr = [float(p.throughput) for p in probed.devices]
     work = (profile.meta.get("workload_seconds") if profile is not None else None) or None
     if work is not None and len(work) == len(thr) and all(w and w > 0 for w in work):
-        thr = [1.0 / float(w) for w in work]
+        timed = [float(work[reference]) / float(w) for w in work]
+        thr = [math.sqrt(t * m / thr[reference]) for t, m in zip(timed, thr)] if combine else timed
     devices = []
     for y, t in zip(yaml_cluster.devices, thr):
         d = {"name": y.name, "host": y.host, "throughput": t}
@@ -171,6 +183,7 @@ def main(argv=None) -> int:
     from ..emulate.spec import from_cluster
     from ..placement.cluster import Cluster
     from ..placement.cost import evaluate
+    from ..placement.simulate import replay
     from ..placement.profile import Profile
     from ..placement.solvers import solve
 
@@ -218,7 +231,8 @@ def main(argv=None) -> int:
             path = os.path.join(tmp, f"profile{i}.json")
             log(f"profiling the demo GPT on the reference device of {a.cluster} ({i + 1}/{n_profiles})")
             emulated = _emulate(spec, timer + ["profile", "--cluster", a.cluster, "--out", path,
-                                               "--workload-speeds"] + model, a.timeout, f"profile{i}", steal)
+                                               "--workload-speeds", "--message-cpu"] + model, a.timeout,
+                                f"profile{i}", steal)
             raw = Profile.load(path)
             log(f"  engine work on the reference device: micro-batch {raw.engine_micro_batch * 1e3:.2f} ms, "
                 f"step {raw.engine_step * 1e3:.2f} ms; whole model per device "
@@ -231,8 +245,10 @@ def main(argv=None) -> int:
             profile's layer times scaled to its own reference-device whole pass, then their median."""
             pooled = Profile.combined(raws)
             cl, how = cluster_in, "matmul (probe)" if source == "probed" else "yaml"
-            if source == "probed" and pooled.meta.get("workload_seconds") and not a.matmul_speeds:
-                cl, how = _probed_cluster(yaml_cluster, probed_path, ref, pooled), "workload"
+            if source == "probed" and pooled.meta.get("workload_seconds") and a.speeds != "matmul":
+                combine = a.speeds == "combined"
+                cl = _probed_cluster(yaml_cluster, probed_path, ref, pooled, combine=combine)
+                how = "workload x matmul (geometric mean)" if combine else "workload"
             if not a.uncalibrated and all(r.meta.get("workload_seconds") for r in raws):
                 pooled = Profile.combined([r.calibrated(r.meta["workload_seconds"][ref]) for r in raws])
             return pooled, cl, how
@@ -274,14 +290,15 @@ def main(argv=None) -> int:
         cluster.save(os.path.join(ARTIFACTS, "cluster.yaml"))
     measured = {k: median([r["median_step_ms"] for r in v]) for k, v in runs.items()}
 
-    def predict(prof, cl):  # on the parts / mapping the runs really used
-        return {k: evaluate(prof, cl, v[-1]["parts"], v[-1]["rank_mapping"], a.micro_batches) for k, v in runs.items()}
+    def predict(prof, cl):  # on the parts / mapping the runs really used: the replay of DeepSpeed's schedule
+        return {k: replay(prof, cl, v[-1]["parts"], v[-1]["rank_mapping"], a.micro_batches).step_time * 1e3
+                for k, v in runs.items()}
 
-    cbs = predict(profile, cluster)
-    predicted = {k: cb.step_time * 1e3 for k, cb in cbs.items()}
+    cbs = {k: evaluate(profile, cluster, v[-1]["parts"], v[-1]["rank_mapping"], a.micro_batches) for k, v in runs.items()}
+    predicted = predict(profile, cluster)
     tails = {k: cb.tail_time * 1e3 for k, cb in cbs.items()}
     stages = {k: stage_comparison(cbs[k], [r.get("breakdown_ms") for r in runs[k]], a.micro_batches) for k in runs}
-    first = {k: cb.step_time * 1e3 for k, cb in predict(*first_profile).items()} if len(raws) > 1 else None
+    first = predict(*first_profile) if len(raws) > 1 else None
     err = max(abs(predicted[k] - measured[k]) / measured[k] for k in measured)
     result = {
         "default_ms": round(measured["default"], 2),
@@ -290,6 +307,9 @@ def main(argv=None) -> int:
         "predicted_default_ms": round(predicted["default"], 2),
         "predicted_planned_ms": round(predicted["planned"], 2),
         "prediction_error": round(err, 3),
+        # the closed form the dp solver optimises (cost.evaluate), beside the replay the predictions come from
+        "analytic_default_ms": round(cbs["default"].step_time * 1e3, 2),
+        "analytic_planned_ms": round(cbs["planned"].step_time * 1e3, 2),
         "profiles": len(raws),
         # with --reprofile: the same predictions from the first profile alone (the one the plan was made from)
         **({"first_profile_prediction_error": round(max(abs(first[k] - measured[k]) / measured[k] for k in measured),
@@ -299,6 +319,7 @@ def main(argv=None) -> int:
                "predicted_tail_ms": round(tails[k], 2), "stages": stages[k]} for k, v in runs.items()},
         "profile_fwd_bwd_ms": round(float(profile.arrays()["fwd_bwd"].sum()) * 1e3, 2),
         "profile_update_ms": round(float(profile.arrays()["update"].sum()) * 1e3, 2),
+        "profile_p2p_ms": [round(l.p2p * 1e3, 3) for l in profile.layers],
         "profile_scale": round(float(profile.meta.get("fwd_bwd_scale", 1.0)), 3),
         "latency_emulated": latency_emulated,
         "cluster_source": source,

@@ -50,6 +50,9 @@ def test_probed_cluster_keeps_names_hosts_memory_and_takes_measured_speeds_and_l
     c = _probed_cluster(yaml_cluster, str(path), ref, prof)
     assert [round(c.speed(i), 3) for i in range(4)] == [1.0, 0.8, 0.5, 0.2]
     assert c.link(0, 3).bandwidth == 1.24e7
+    # combined: the geometric mean of the two relative speeds (matmul 1.1, 0.6, 0.2; workload 0.8, 0.5, 0.2)
+    c = _probed_cluster(yaml_cluster, str(path), ref, prof, combine=True)
+    assert [round(c.speed(i), 4) for i in range(4)] == [1.0, round((1.1 * 0.8) ** 0.5, 4), round((0.6 * 0.5) ** 0.5, 4), 0.2]
 
 
 def test_stage_comparison_takes_each_stages_slowest_rank_per_micro_batch():
