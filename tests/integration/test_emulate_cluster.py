@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.root]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKERS = os.path.join(ROOT, "tests", "integration", "emulate_workers.py")
@@ -43,8 +42,10 @@ def _unavailable():
 
 
 REASON = _unavailable()
-if REASON:
-    pytestmark.append(pytest.mark.skip(reason=f"pdv emulate unavailable: {REASON}"))
+# every emulator test module's marks: root-only integration tests, skipped with the reason where unavailable
+EMULATE_MARKS = [pytest.mark.integration, pytest.mark.root] + (
+    [pytest.mark.skip(reason=f"pdv emulate unavailable: {REASON}")] if REASON else [])
+pytestmark = EMULATE_MARKS
 
 
 @pytest.fixture

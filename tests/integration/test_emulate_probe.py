@@ -13,11 +13,9 @@ import pytest
 
 from pdv_ext.emulate.hoststat import StealMeter
 
-from .test_emulate_cluster import REASON, ROOT, _leftovers
+from .test_emulate_cluster import EMULATE_MARKS, ROOT, _leftovers
 
-pytestmark = [pytest.mark.integration, pytest.mark.root]
-if REASON:
-    pytestmark.append(pytest.mark.skip(reason=f"pdv emulate unavailable: {REASON}"))
+pytestmark = EMULATE_MARKS
 
 # unequal devices, fast intra-host and slow inter-host links, one slower pair
 CLUSTER = """

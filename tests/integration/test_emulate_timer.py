@@ -8,11 +8,9 @@ import sys
 
 import pytest
 
-from .test_emulate_cluster import REASON, _leftovers
+from .test_emulate_cluster import EMULATE_MARKS, _leftovers
 
-pytestmark = [pytest.mark.integration, pytest.mark.root]
-if REASON:
-    pytestmark.append(pytest.mark.skip(reason=f"pdv emulate unavailable: {REASON}"))
+pytestmark = EMULATE_MARKS
 
 CLUSTER = """
 devices:
