@@ -57,7 +57,8 @@ def _args(argv):
     ap = parser("placement", __doc__.split("\n\n")[0])
     ap.add_argument("--cluster", default=DEFAULT_CLUSTER)
     ap.add_argument("--quick", action="store_true", help="few steps, one repeat (smoke test)")
-    ap.add_argument("--repeats", type=int, default=2, help="alternating (default, planned) runs")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="alternating (default, planned) runs; each plan's median is reported")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--default-stages", type=int, default=2, help="pipeline stages of the DeepSpeed default")
