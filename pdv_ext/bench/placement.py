@@ -126,7 +126,8 @@ def _probed_cluster(yaml_cluster, probed_path: str, reference: int, profile=None
     """The YAML's devices (names, hosts, memory: the emulated limits, not the machine's RAM the probe
     sees) with the probed links and throughputs. When the profile carries every device's time for the
     model's own forward + backward (`meta.workload_seconds`, measured one device at a time right before
-    profiling), the throughputs are 1 / that time: each device's speed on the model's operations (a
+    profiling), the throughputs are the reference device's time / that time: each device's speed on the
+    model's operations (a
     CPU-quota device loses more of its share to descheduling on short operations than a long matmul
     shows); else the probe's matmul throughputs. With `combine`, the geometric mean of the two relative
     speeds: two independent timings of each device, in turns, whose noise on this machine was of the same

@@ -70,18 +70,21 @@ def _rate(bytes_per_s: float) -> str:
     return f"{max(8000, int(bytes_per_s * 8))}bit"
 
 
-def _burst(bytes_per_s: float) -> str:
+GSO_PACKET = 65536  # the largest packet a device with GSO hands its qdisc
+
+
+def _burst(bytes_per_s: float, packet: int = MTU) -> str:
     """htb's token bucket: what an idle link sends at once, before the rate applies. Two packets (the
-    shaped veths send no GSO super-packets: `_no_gso`) or 0.2 ms of traffic: a real link has no such
-    credit, and a 2 ms / 128 KiB bucket let half of a 262 KB activation through a 100 Mbit/s link at
-    once (10.5 ms instead of 21), which the cost model, rightly, does not know."""
-    return f"{max(2 * MTU, int(bytes_per_s * 0.0002))}b"
+    shaped veths send no GSO super-packets where `_no_gso` succeeds) or 0.2 ms of traffic: a real link has
+    no such credit, and a 2 ms / 128 KiB bucket let half of a 262 KB activation through a 100 Mbit/s link
+    at once (10.5 ms instead of 21), which the cost model, rightly, does not know."""
+    return f"{max(2 * packet, int(bytes_per_s * 0.0002))}b"
 
 
-def _no_gso(ns: str, dev: str) -> None:
+def _no_gso(ns: str, dev: str) -> bool:
     """Packets of at most one MTU on a shaped device: htb charges a 64 KiB GSO super-packet at once, so its
-    bucket would have to hold two of them (see `_burst`)."""
-    run("ip", "-n", ns, "link", "set", "dev", dev, "gso_max_size", str(MTU))
+    bucket would have to hold two of them (see `_burst`). False where the kernel or iproute2 cannot."""
+    return run("ip", "-n", ns, "link", "set", "dev", dev, "gso_max_size", str(MTU), check=False).returncode == 0
 
 
 class Network:
@@ -95,6 +98,7 @@ class Network:
         self.dev_ns = [f"{run_name}-d{i}" for i in range(len(spec.devices))]
         self.created: List[str] = []
         self._netem = netem
+        self._packet = MTU  # largest packet the shaped devices send (see `_no_gso`)
 
     # -- set-up ---------------------------------------------------------------------------------------
     def _add_ns(self, ns: str) -> None:
@@ -138,14 +142,15 @@ class Network:
         return bool(self._netem)
 
     def _htb_root(self, ns: str, dev: str) -> None:
-        _no_gso(ns, dev)
+        if not _no_gso(ns, dev):
+            self._packet = GSO_PACKET  # buckets of two super-packets instead (coarser on short transfers)
         run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "0")
 
     def _htb_class(self, ns: str, dev: str, minor: int, bytes_per_s: float, delay_s: float, match: str) -> None:
         cid = f"1:{minor:x}"
         run("tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", cid, "htb", "rate",
-            _rate(bytes_per_s), "ceil", _rate(bytes_per_s), "burst", _burst(bytes_per_s), "cburst",
-            _burst(bytes_per_s), "quantum", "65536")
+            _rate(bytes_per_s), "ceil", _rate(bytes_per_s), "burst", _burst(bytes_per_s, self._packet), "cburst",
+            _burst(bytes_per_s, self._packet), "quantum", "65536")
         if self.netem and delay_s > 0:
             run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", cid, "netem", "delay",
                 f"{delay_s * 1e6:.0f}us", "limit", "100000")
