@@ -127,9 +127,8 @@ def _probed_cluster(yaml_cluster, probed_path: str, reference: int, profile=None
     sees) with the probed links and throughputs. When the profile carries every device's time for the
     model's own forward + backward (`meta.workload_seconds`, measured one device at a time right before
     profiling), the throughputs are the reference device's time / that time: each device's speed on the
-    model's operations (a
-    CPU-quota device loses more of its share to descheduling on short operations than a long matmul
-    shows); else the probe's matmul throughputs. With `combine`, the geometric mean of the two relative
+    model's operations (a CPU-quota device loses more of its share to descheduling on short operations
+    than a long matmul shows); else the probe's matmul throughputs. With `combine`, the geometric mean of the two relative
     speeds: two independent timings of each device, in turns, whose noise on this machine was of the same
     size (the 0.1-core device: 0.214-0.263 of the reference from its workload, 0.23-0.254 from the matmul,
     four benchmark runs of 2026-11-25). Speeds are relative to the profiling device (`reference`)."""
