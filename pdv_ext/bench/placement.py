@@ -244,14 +244,14 @@ def main(argv=None) -> int:
             """(profile, cluster, speed source) the cost model uses, from one or more raw profiles: device
             speeds from the devices' timed forward + backward of the whole model (all rounds pooled), each
             profile's layer times scaled to its own reference-device whole pass, then their median."""
+            if not a.uncalibrated and all(r.meta.get("workload_seconds") for r in raws):
+                raws = [r.calibrated(r.meta["workload_seconds"][ref]) for r in raws]  # keeps the device timings
             pooled = Profile.combined(raws)
             cl, how = cluster_in, "matmul (probe)" if source == "probed" else "yaml"
             if source == "probed" and pooled.meta.get("workload_seconds") and a.speeds != "matmul":
                 combine = a.speeds == "combined"
                 cl = _probed_cluster(yaml_cluster, probed_path, ref, pooled, combine=combine)
                 how = "workload x matmul (geometric mean)" if combine else "workload"
-            if not a.uncalibrated and all(r.meta.get("workload_seconds") for r in raws):
-                pooled = Profile.combined([r.calibrated(r.meta["workload_seconds"][ref]) for r in raws])
             return pooled, cl, how
 
         n_profiles = a.repeats if a.reprofile else 1

@@ -65,7 +65,7 @@ def _args(argv):
     return a
 
 
-def _time_workload(a, ids, labels):
+def _time_workload(a, mods, ids, labels):
     """Every rank in turn (the others wait at a barrier) times the model's own work - forward + backward of
     all its layers and the loss on one micro-batch - under its own CPU quota; returns the list over ranks of
     each rank's `--workload-reps` samples (seconds per pass). A device's speed on the model's operations: a
@@ -78,11 +78,10 @@ def _time_workload(a, ids, labels):
     both cores, which a busy device never has (measured on the benchmark cluster, 2026-11-25).
     Collective over the initialised default group."""
     import torch.distributed as dist
-    from ..models import gpt_layers, lm_loss
+    from ..models import lm_loss
     from ..placement.probe import in_turns
 
     world = dist.get_world_size()
-    mods = [spec.build() for spec in gpt_layers(a.layers, a.hidden, a.heads, a.seq_len)]
 
     def once() -> None:
         x = ids
@@ -148,10 +147,12 @@ def _measure_devices(a, ids, labels):
     import datetime
 
     import torch.distributed as dist
+    from ..models import gpt_layers
 
+    mods = [spec.build() for spec in gpt_layers(a.layers, a.hidden, a.heads, a.seq_len)]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     try:
-        wall, cpu = _time_workload(a, ids, labels)
+        wall, cpu = _time_workload(a, mods, ids, labels)
         messages = {}
         if a.message_cpu and dist.get_world_size() > 1:
             from ..placement.cluster import Cluster
@@ -161,21 +162,20 @@ def _measure_devices(a, ids, labels):
             ref = reference_device(cluster)
             same = [d for d in range(len(cluster)) if d != ref and cluster.host_of(d) == cluster.host_of(ref)]
             partner = same[0] if same else (ref + 1) % len(cluster)
-            messages = _message_cpu(_activation_bytes(a, ids), ref, partner, a.message_round_trips)
+            messages = _message_cpu(_activation_bytes(mods, ids), ref, partner, a.message_round_trips)
         return wall, cpu, messages
     finally:
         shutdown_distributed()
 
 
-def _activation_bytes(a, ids) -> List[float]:
+def _activation_bytes(mods, ids) -> List[float]:
     """Bytes of every layer's output but the last: what the model's stage boundaries can send."""
     import torch
-    from ..models import gpt_layers
 
     sizes, x = [], ids
     with torch.no_grad():
-        for spec in gpt_layers(a.layers, a.hidden, a.heads, a.seq_len):
-            x = spec.build()(x)
+        for m in mods:
+            x = m(x)
             sizes.append(float(x.numel() * x.element_size()))
     return sizes[:-1]
 
@@ -316,7 +316,7 @@ def train(a) -> int:
     share[dist.get_rank()] = cpu / sum(times)
     dist.all_reduce(share)
     breakdown = None
-    if timing is not None:
+    if a.breakdown:
         breakdown = [None] * world
         dist.all_gather_object(breakdown, timing.per_step_ms(len(times), sum(times), cpu))
     trace = None
@@ -328,10 +328,10 @@ def train(a) -> int:
         out = {"median_step_ms": statistics.median(ms), "step_ms": ms, "parts": [int(p) for p in engine.module.parts],
                "rank_mapping": current_mapping(engine.module), "stages": engine.num_stages, "losses": losses,
                "plan": a.plan, "cpu_share": [round(x, 3) for x in share.tolist()]}
-        if breakdown is not None and a.breakdown:
-            out["breakdown_ms"] = breakdown
+        if breakdown is not None:
+            out["breakdown_ms"] = breakdown  # per rank: {instruction: [wall, cpu] ms per step}
         if trace is not None:
-            out["trace"] = trace  # per rank: {instruction: [wall, cpu] ms per step}
+            out["trace"] = trace  # per rank: step starts and (instruction, start, end, cpu) events
         with open(a.out, "w") as f:
             json.dump(out, f)
         print(f"median_step_ms {out['median_step_ms']:.1f} parts {out['parts']} mapping {out['rank_mapping']} "

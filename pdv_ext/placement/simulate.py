@@ -71,7 +71,7 @@ def replay(profile: Profile, cluster: Cluster, boundaries: Sequence[int], groups
         raise ValueError(f"stage groups {[list(g) for g in groups]} differ in data-parallel width")
     sp = stage_params(cluster, groups, micro_batches, "1f1b", aggregator, profile.engine)
     fb = [float(arr["fwd_bwd"][boundaries[s]:boundaries[s + 1]].sum()) for s in range(n_st)]
-    if "fwd" in arr and np.all(arr["fwd"] > 0):
+    if np.all(arr["fwd"] > 0):
         fw = [float(arr["fwd"][boundaries[s]:boundaries[s + 1]].sum()) for s in range(n_st)]
     else:
         fw = [f * FORWARD_SHARE for f in fb]
