@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/build/torch_extensions
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: setup demo test test-unit test-integration docs clean
+.PHONY: setup demo test test-unit test-integration test-gpu docs clean
 
 setup:
 	@bash scripts/setup.sh
@@ -21,6 +21,10 @@ test-unit: setup
 
 test-integration: setup
 	$(PY) -m pytest tests/integration
+
+# the GPU tier (one CUDA GPU; the multigpu tests need two): kernels, aggregators, engine and profile on CUDA
+test-gpu: setup
+	DS_ACCELERATOR=cuda $(PY) -m pytest tests -m "gpu or multigpu"
 
 docs: setup
 	$(VENV)/bin/mkdocs build --strict

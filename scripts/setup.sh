@@ -49,7 +49,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "${PIP[@]}" "torch==$TORCH_VERSION"
 fi
 py_has() { "$PY" -c "import $1" >/dev/null 2>&1; }
-if ! py_has deepspeed || ! py_has mpi4py || ! py_has sklearn || ! py_has pytest_timeout || ! py_has mkdocs; then
+if ! py_has deepspeed || ! py_has mpi4py || ! py_has sklearn || ! py_has pytest_timeout || ! py_has mkdocs || ! py_has triton; then
   log "installing deepspeed, mpi4py and tools"
   "${PIP[@]}" -r "$ROOT/requirements-dev.txt"
 fi

@@ -9,6 +9,25 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, "build", "torch
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests skip where CUDA is absent, `multigpu` ones below two GPUs: with the reason shown (-ra)."""
+    gpus = None
+    for item in items:
+        need = 2 if "multigpu" in item.keywords else 1 if "gpu" in item.keywords else 0
+        if not need:
+            continue
+        gpus = _cuda_count() if gpus is None else gpus
+        if gpus < need:
+            why = "no CUDA device" if gpus == 0 else f"{gpus} CUDA device(s), needs {need}"
+            item.add_marker(pytest.mark.skip(reason=f"GPU tier: {why} (run `make test-gpu` on a GPU machine)"))
+
+
 def _children():
     try:
         import psutil

@@ -6,7 +6,7 @@ import torch
 
 from pdv_ext.aggregation import build_aggregator
 from pdv_ext.aggregation.adasum import PACK_NUMEL, adasum_flat
-from tests.unit.test_agg_threadcomm import run_threads
+from tests.threadcomm import run_threads
 
 SHAPES = [(7, 3), (5,), (1,), (64, 33), (2, 2, 2)]
 

@@ -6,7 +6,7 @@ from pdv_ext.aggregation import build_aggregator
 from pdv_ext.aggregation.faults import FaultInjector, NonFiniteGradients, NonFiniteGuard
 from pdv_ext.config import validate_pdv
 
-from .test_agg_threadcomm import run_threads
+from tests.threadcomm import run_threads
 
 
 def grads(rank):

@@ -7,7 +7,7 @@ from pdv_ext.aggregation.gossip import peer_graph
 from pdv_ext.config import validate_pdv
 from pdv_ext.config_base import ConfigError
 
-from .test_agg_threadcomm import run_threads
+from tests.threadcomm import run_threads
 
 
 def grad(rank, step, n=40):

@@ -6,7 +6,7 @@ from pdv_ext.aggregation import build_aggregator
 from pdv_ext.config_base import ConfigError
 from pdv_ext.config import validate_pdv
 
-from .test_agg_threadcomm import run_threads
+from tests.threadcomm import run_threads
 
 SHAPES = [(5, 3), (7,), (2, 2, 2)]
 
