@@ -1,4 +1,8 @@
-"""Communication adapters: one `Comm` protocol, one implementation per framework."""
+"""Communication adapters: one `Comm` protocol, one implementation per framework.
+
+`from pdv_ext.comm import HorovodComm` is the one import path of the Horovod Comm (imported lazily: it
+needs Horovod, which most users never do).
+"""
 from .base import Comm, LocalComm
 from .torch_comm import TorchComm
 
@@ -10,4 +14,4 @@ def __getattr__(name):  # HorovodComm imports horovod lazily: most users never n
         from .horovod_comm import HorovodComm
 
         return HorovodComm
-    raise AttributeError(name)
+    raise AttributeError(f"module 'pdv_ext.comm' has no attribute '{name}'")
