@@ -160,14 +160,16 @@ def predict_main(argv: Optional[List[str]] = None) -> int:
 
     ap = argparse.ArgumentParser(prog="pdv predict", description="fit / evaluate the latency predictor")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    fit = sub.add_parser("fit", help="fit on every mesh of the database except the held-out ones")
+    fit = sub.add_parser("fit", help="fit on every mesh of the database (or all but the --hold-out ones)")
     fit.add_argument("--db", default=P.DEFAULT_DB, help="profiling database JSON (default: the packaged Alpa data)")
     fit.add_argument("-o", "--out", required=True)
-    fit.add_argument("--hold-out", nargs="*", default=None,
-                     help="mesh names (e.g. 2x8) not to fit on (default: the largest mesh)")
-    fit.add_argument("--all", action="store_true", help="fit on every mesh (nothing held out)")
+    fit.add_argument("--hold-out", nargs="*", default=None, metavar="MESH",
+                     help="mesh names (e.g. 2x8) not to fit on, for a held-out test with `eval`; with no name: "
+                          "the largest mesh (default: nothing held out, every mesh is fitted on)")
+    fit.add_argument("--all", action="store_true", help="fit on every mesh (the default; kept for old scripts)")
     fit.add_argument("--cluster", default=None, help="cluster YAML whose inter_host link the model should use")
-    ev = sub.add_parser("eval", help="relative error on every non-null point of meshes the model was not fitted on")
+    ev = sub.add_parser("eval", help="relative error on the meshes the model was not fitted on (held out); on "
+                                     "every mesh, flagged in-sample, when it was fitted on all of them")
     ev.add_argument("--model", required=True)
     ev.add_argument("--db", default=P.DEFAULT_DB)
     ev.add_argument("--json", action="store_true")
@@ -179,8 +181,11 @@ def predict_main(argv: Optional[List[str]] = None) -> int:
     except (OSError, ValueError) as exc:
         return _fail(f"pdv predict: cannot read database '{args.db}': {exc}")
     if args.cmd == "fit":
+        if args.all and args.hold_out is not None:
+            return _fail("pdv predict fit: --all and --hold-out contradict each other (every mesh is fitted on "
+                         "by default; --hold-out keeps some out)")
         try:
-            train, test = (db["meshes"], []) if args.all else P.split_meshes(db, args.hold_out)
+            train, test = P.split_meshes(db, args.hold_out)
         except ValueError as exc:
             return _fail(f"pdv predict fit: {exc}")
         link = None
@@ -194,9 +199,12 @@ def predict_main(argv: Optional[List[str]] = None) -> int:
             link = {"bandwidth": ln.bandwidth, "latency": ln.latency}
         pred = P.Predictor.fit(train, inter_host=link)
         pred.model["trained_on"] = [P.mesh_name(m) for m in train]
+        pred.model["held_out"] = [P.mesh_name(m) for m in test]
         pred.save(args.out)
-        print(f"fitted on meshes {', '.join(pred.model['trained_on'])}; held out: "
-              f"{', '.join(P.mesh_name(m) for m in test) or 'none'}; inter-host link: "
+        held = (", ".join(pred.model["held_out"]) if test else
+                "none (every mesh; `pdv predict eval` on this database is then in-sample: --hold-out [MESH ...] "
+                "keeps meshes out for a held-out test)")
+        print(f"fitted on meshes {', '.join(pred.model['trained_on'])}; held out: {held}; inter-host link: "
               f"{pred.model['inter_host']} ({pred.model['inter_host_source']}) -> {args.out}")
         return 0
     try:
@@ -205,17 +213,24 @@ def predict_main(argv: Optional[List[str]] = None) -> int:
         return _fail(f"pdv predict eval: cannot read model '{args.model}': {exc}")
     trained = set(pred.model.get("trained_on", []))
     test = [m for m in db["meshes"] if P.mesh_name(m) not in trained]
-    if not test:
-        return _fail("pdv predict eval: every mesh of the database was used for fitting; nothing held out")
+    in_sample = not test  # fitted on every mesh of this database: the error on its own training data
+    if in_sample:
+        test = list(db["meshes"])
     try:
         res = P.evaluate(pred, test)
     except ValueError as exc:  # e.g. a model fitted without matmul data, evaluated on meshes with some
         return _fail(f"pdv predict eval: {exc}")
     res["meshes"] = [P.mesh_name(m) for m in test]
+    res["in_sample"] = in_sample
+    res["evaluated_on"] = "every mesh, in-sample (the model was fitted on all of them)" if in_sample else "held-out meshes"
     if args.json:
         print(json.dumps(res))
     else:
-        print(f"held-out meshes: {', '.join(res['meshes'])}  points: {res['points']}")
+        if in_sample:
+            print(f"in-sample: the model was fitted on every mesh of this database ({', '.join(res['meshes'])}); "
+                  "the error below is on its own training data, not a test on unseen meshes (fit with "
+                  "--hold-out MESH for one)")
+        print(f"{'in-sample' if in_sample else 'held-out'} meshes: {', '.join(res['meshes'])}  points: {res['points']}")
         print(f"median relative error: {res['median_rel_error']:.4f}   p90: {res['p90_rel_error']:.4f}")
         for k, v in res["by_kind"].items():
             print(f"  {k:<22} median {v['median']:.4f}  p90 {v['p90']:.4f}  ({v['points']} points)")

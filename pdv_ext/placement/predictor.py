@@ -424,12 +424,22 @@ def mesh_name(mesh: Dict[str, Any]) -> str:
     return "x".join(str(v) for v in mesh["mesh_shape"])
 
 
+def largest_mesh(db: Dict[str, Any]) -> str:
+    """The name of the database's largest mesh (by device count, then host count)."""
+    big = max(db["meshes"], key=lambda m: (m["mesh_shape"][0] * m["mesh_shape"][1], m["mesh_shape"][0]))
+    return mesh_name(big)
+
+
 def split_meshes(db: Dict[str, Any], held_out: Optional[Sequence[str]] = None):
-    """(train, test): by default test = the largest mesh (by device count), train = the others."""
+    """(train, test): the meshes named in `held_out` are the test set, the others the training set.
+
+    `held_out=None` holds nothing out (train = every mesh, test = []): a user fitting on their own data
+    keeps all of it, its largest mesh included. An empty list means the largest mesh (`largest_mesh`),
+    what `pdv predict fit --hold-out` with no name does."""
     meshes = db["meshes"]
     if held_out is None:
-        big = max(meshes, key=lambda m: (m["mesh_shape"][0] * m["mesh_shape"][1], m["mesh_shape"][0]))
-        held_out = [mesh_name(big)]
+        return list(meshes), []
+    held_out = list(held_out) or [largest_mesh(db)]
     names = [mesh_name(m) for m in meshes]
     for h in held_out:
         if h not in names:

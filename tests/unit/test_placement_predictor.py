@@ -12,12 +12,16 @@ from pdv_ext.placement.cli import predict_main
 @pytest.fixture(scope="module")
 def held_out():
     db = P.load_db()
-    train, test = P.split_meshes(db)
+    train, test = P.split_meshes(db, ["2x8"])  # the one-host meshes, tested on the two-host one
     return P.Predictor.fit(train), train, test
 
 
-def test_split_holds_out_the_largest_mesh(held_out):
-    _, train, test = held_out
+def test_split_holds_out_only_what_is_asked():
+    db = P.load_db()
+    train, test = P.split_meshes(db)  # the default: every mesh is fitted on, nothing held out
+    assert [P.mesh_name(m) for m in train] == [P.mesh_name(m) for m in db["meshes"]] and test == []
+    assert P.largest_mesh(db) == "2x8"
+    train, test = P.split_meshes(db, [])  # `--hold-out` with no name: the largest mesh
     assert [P.mesh_name(m) for m in test] == ["2x8"]
     assert all(m["mesh_shape"][0] * m["mesh_shape"][1] < 16 for m in train)
 
@@ -48,7 +52,7 @@ def test_inter_host_link_fitted_from_multi_host_data(held_out):
     points = [[2 ** k, pred.collective("all_reduce", 4 * 2 ** k, shape, inter_host=link)] for k in range(10, 28, 2)]
     mesh = {"mesh_shape": [2, 8], "collectives": {"all_reduce": [
         {"replica_groups": groups, "dtype": "f32", "points": points}]}, "dot": []}
-    fitted = P.Predictor.fit(P.split_meshes(P.load_db())[0] + [mesh])
+    fitted = P.Predictor.fit(P.split_meshes(P.load_db(), ["2x8"])[0] + [mesh])
     assert fitted.model["inter_host_source"].startswith("fitted")
     assert fitted.model["inter_host"]["bandwidth"] == pytest.approx(2e9, rel=0.05)
 
@@ -115,13 +119,38 @@ def test_latency_is_not_shared_between_concurrent_groups(held_out):
     assert pred.collective("all_gather", small, eight) < 1.3 * pred.collective("all_gather", small, one)
 
 
-def test_cli_fit_eval(tmp_path, capsys):
+def test_cli_fit_eval_held_out(tmp_path, capsys):
     model = tmp_path / "m.json"
-    assert predict_main(["fit", "-o", str(model)]) == 0
-    assert json.load(open(model))["trained_on"] == ["1x8", "1x4", "1x2", "1x1"]
-    capsys.readouterr()
+    assert predict_main(["fit", "--hold-out", "-o", str(model)]) == 0  # no name: the largest mesh
+    saved = json.load(open(model))
+    assert saved["trained_on"] == ["1x8", "1x4", "1x2", "1x1"] and saved["held_out"] == ["2x8"]
+    assert "held out: 2x8;" in capsys.readouterr().out
     assert predict_main(["eval", "--model", str(model), "--json"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {"median_rel_error", "p90_rel_error", "points"} <= set(res) and res["meshes"] == ["2x8"]
-    assert predict_main(["fit", "--all", "-o", str(model)]) == 0
-    assert predict_main(["eval", "--model", str(model)]) == 2  # nothing held out
+    assert res["in_sample"] is False and res["evaluated_on"] == "held-out meshes"
+    assert predict_main(["eval", "--model", str(model)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("held-out meshes: 2x8") and "in-sample" not in out
+    assert predict_main(["fit", "--hold-out", "2x8", "1x1", "-o", str(model)]) == 0
+    assert json.load(open(model))["held_out"] == ["2x8", "1x1"]  # in the database's order
+
+
+def test_cli_fit_uses_every_mesh_by_default_and_eval_says_in_sample(tmp_path, capsys):
+    """A user fitting "on my data" keeps all of it; `eval` then reports an in-sample figure and says so."""
+    model = tmp_path / "m.json"
+    assert predict_main(["fit", "-o", str(model)]) == 0
+    saved = json.load(open(model))
+    assert saved["trained_on"] == ["2x8", "1x8", "1x4", "1x2", "1x1"] and saved["held_out"] == []
+    assert "held out: none (every mesh" in capsys.readouterr().out
+    assert predict_main(["eval", "--model", str(model), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["in_sample"] is True and res["meshes"] == saved["trained_on"]
+    assert res["evaluated_on"].startswith("every mesh, in-sample")
+    assert predict_main(["eval", "--model", str(model)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("in-sample: the model was fitted on every mesh") and "--hold-out" in out
+    assert predict_main(["fit", "--all", "-o", str(model)]) == 0  # the old spelling of the default
+    assert json.load(open(model))["held_out"] == []
+    assert predict_main(["fit", "--all", "--hold-out", "2x8", "-o", str(model)]) == 2
+    assert "contradict" in capsys.readouterr().err
