@@ -256,6 +256,9 @@ def profile_main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--engine", action="store_true",
                     help="also measure DeepSpeed's own per-micro-batch / per-step work (one-stage engines, ~30 s)")
+    ap.add_argument("--calibrate", choices=["auto", "on", "off"], default="auto",
+                    help="scale the layers' forward + backward to sum to the whole model's timed pass (auto: on a "
+                         "GPU, where layers timed alone miss the overlap of launches with the device's work)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     check_ranges(ap, args, {"--layers": 1, "--hidden": 1, "--heads": 1, "--seq-len": 1, "--micro-batch": 1, "--reps": 1})
@@ -272,7 +275,7 @@ def profile_main(argv: Optional[List[str]] = None) -> int:
         sample, labels = torch.randn(args.micro_batch, 16), torch.randint(0, 4, (args.micro_batch,))
         loss_fn = torch.nn.functional.cross_entropy
     prof = profile_layers(specs, sample, reps=args.reps, progress=sys.stderr.isatty(), loss_fn=loss_fn,
-                          labels=labels)
+                          labels=labels, calibrate={"auto": None, "on": True, "off": False}[args.calibrate])
     prof.meta.update({"model": args.model, "layers": args.layers, "hidden": args.hidden})
     if args.engine:
         from .profile import engine_overhead
@@ -280,6 +283,8 @@ def profile_main(argv: Optional[List[str]] = None) -> int:
         prof.engine = engine_overhead(len(prof))
     prof.save(args.out)
     total = sum(l.fwd_bwd for l in prof.layers)
-    print(f"{len(prof)} layers, fwd+bwd {total * 1e3:.2f} ms per micro-batch of {args.micro_batch}, "
-          f"{sum(l.param_bytes for l in prof.layers) / 2 ** 20:.2f} MiB parameters -> {args.out}")
+    cal = (f" (calibrated to the whole pass: layers alone summed to {prof.meta['layer_sum_seconds'] * 1e3:.2f} ms)"
+           if "whole_pass_seconds" in prof.meta else "")
+    print(f"{len(prof)} layers on {prof.device}, fwd+bwd {total * 1e3:.2f} ms per micro-batch of {args.micro_batch}"
+          f"{cal}, {sum(l.param_bytes for l in prof.layers) / 2 ** 20:.2f} MiB parameters -> {args.out}")
     return 0

@@ -271,18 +271,28 @@ class _Update:
         self.grads = [torch.randn_like(p) for p in self.params]  # values do not change the cost
         self.opt = (optimizer or torch.optim.AdamW)(self.params) if self.params else None
 
-    def sample(self, sync: Callable[[], None]) -> float:
+    def load(self) -> None:
+        """Give the parameters their gradients (untimed)."""
+        for p, g in zip(self.params, self.grads):
+            p.grad = g.clone()
+
+    def step(self) -> None:
+        """The timed work: clip, optimizer step, zero_grad."""
         import torch
 
         if self.opt is None:
-            return 0.0
-        for p, g in zip(self.params, self.grads):
-            p.grad = g.clone()
-        sync()
-        t0 = time.perf_counter()
+            return
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+
+    def sample(self, sync: Callable[[], None]) -> float:
+        if self.opt is None:
+            return 0.0
+        self.load()
+        sync()
+        t0 = time.perf_counter()
+        self.step()
         sync()
         return time.perf_counter() - t0
 
@@ -370,9 +380,140 @@ def _fwd_bwd(mod: Any, x: Any, sync: Callable[[], None], loss: Optional[Callable
     return time.perf_counter() - t0, saved[0], y, t_fwd
 
 
+class _Kept:
+    """A caller's module as it was before profiling: every submodule's parameter and buffer objects with
+    their data (device, dtype) and gradients, the buffers' values (a training-mode forward updates running
+    statistics in place), and the training flags. `restore` puts all of it back, so that the same Parameter
+    objects (which the caller's optimizer holds) keep their original tensors. Parameter values are put
+    back by `_Update.restore` (the only thing that changes them); this keeps no copy of them."""
+
+    def __init__(self, mod: Any):
+        self.entries = [(m, m.training, dict(m._parameters),
+                         {n: (p.data, p.grad) for n, p in m._parameters.items() if p is not None}, dict(m._buffers),
+                         {n: b.detach().clone() for n, b in m._buffers.items() if b is not None})
+                        for m in mod.modules()]
+
+    def restore(self) -> None:
+        import torch
+
+        for m, training, params, data, buffers, values in self.entries:
+            for n, p in params.items():
+                if p is not None:
+                    p.grad = None  # a device gradient must not meet the original data
+                    p.data, grad = data[n]
+                    p.grad = grad
+                m._parameters[n] = p
+            for n, b in buffers.items():
+                m._buffers[n] = b
+                if b is not None:
+                    with torch.no_grad():
+                        b.copy_(values[n])
+            m.training = training
+
+
+def _place(mod: Any, dev: str) -> Any:
+    """Put a module on the profiling device, in place (`nn.Module.to`); `_Kept.restore` undoes it."""
+    return mod.to(dev)
+
+
+class _HostEvent:
+    """`torch.cuda.Event`'s timing interface on the host clock: the pass-timing logic runs on CPU (tests)."""
+
+    def __init__(self, enable_timing: bool = True):
+        self.t = None
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: "_HostEvent") -> float:
+        return (end.t - self.t) * 1e3  # milliseconds, as CUDA events
+
+
+def _pass_round(built: Sequence[Any], inputs: Sequence[Any], updates: Sequence["_Update"],
+                last_loss: Optional[Callable], event: Callable[[], Any], synchronize: Callable[[], None]):
+    """One round timed the way a GPU runs it: the forward of every layer, then the backward of every layer
+    (last first), then every layer's update, each timed by events recorded in the stream between layers and
+    one `synchronize` at the end of the round. No host synchronisation between layers, so the host's
+    kernel launches overlap the device's work as in training (a sync per layer adds its launch latency to
+    every layer). Each layer's input is detached: its backward is its own. Returns per layer (fwd + bwd
+    seconds, forward seconds, update seconds, saved bytes, output)."""
+    import torch
+
+    n = len(built)
+    fe, be, ue = ([event() for _ in range(n + 1)] for _ in range(3))
+    ins = [_detach(x) for x in inputs]
+    outs, saved = [], [0.0] * n
+    fe[0].record()
+    for i, mod in enumerate(built):
+        def pack(t, i=i):
+            saved[i] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = mod(ins[i])
+            l = last_loss(y) if last_loss is not None and i == n - 1 else None
+        fe[i + 1].record()
+        outs.append((y, l))
+    roots = []  # what each layer's backward starts from, made before the backward is timed
+    for y, l in outs:
+        ts = [l] if l is not None else [t for t in _tensors(y) if t.requires_grad]
+        roots.append((ts, None if l is not None else [torch.ones_like(t) for t in ts]))
+    be[n].record()
+    for i in reversed(range(n)):
+        ts, gs = roots[i]
+        if ts:
+            torch.autograd.backward(ts, gs)
+        be[i].record()
+    for u in updates:  # the backward's gradients are not the update's: fixed random ones (untimed)
+        u.load()
+    ue[0].record()
+    for i, u in enumerate(updates):
+        u.step()
+        ue[i + 1].record()
+    synchronize()
+    fwd = [fe[i].elapsed_time(fe[i + 1]) / 1e3 for i in range(n)]
+    bwd = [be[i + 1].elapsed_time(be[i]) / 1e3 for i in range(n)]
+    upd = [ue[i].elapsed_time(ue[i + 1]) / 1e3 if u.opt is not None else 0.0 for i, u in enumerate(updates)]
+    return [(f + b, f, u, saved[i], outs[i][0]) for i, (f, b, u) in enumerate(zip(fwd, bwd, upd))]
+
+
+def whole_pass_seconds(built: Sequence[Any], x: Any, loss: Optional[Callable] = None, reps: int = 5,
+                       warmup: int = 1, event: Optional[Callable[[], Any]] = None,
+                       synchronize: Callable[[], None] = lambda: None) -> float:
+    """Median seconds of one forward + backward of all layers chained (autograd across them; backward from
+    `loss(output)` when given, else from ones on the output): what one pipeline stage holding every layer
+    runs per micro-batch. Timed by `event`s (CUDA events on a GPU) around the pass and one `synchronize`
+    after it; `_HostEvent`s by default. Gradients are dropped after each pass."""
+    import torch
+
+    event = event or _HostEvent
+    params = [p for m in built if isinstance(m, torch.nn.Module) for p in m.parameters()]
+    samples = []
+    for r in range(warmup + reps):
+        start, end = event(), event()
+        start.record()
+        y = x
+        for m in built:
+            y = m(y)
+        if loss is not None:
+            loss(y).backward()
+        else:
+            outs = [t for t in _tensors(y) if t.requires_grad]
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        end.record()
+        synchronize()
+        for p in params:
+            p.grad = None
+        if r >= warmup:
+            samples.append(start.elapsed_time(end) / 1e3)
+    return float(statistics.median(samples))
+
+
 def profile_layers(layers: Sequence[Any], sample_input: Any, reps: int = 5, warmup: int = 1,
                    device: Optional[str] = None, progress: bool = False, loss_fn: Optional[Callable] = None,
-                   labels: Any = None, optimizer: Optional[Callable] = None) -> Profile:
+                   labels: Any = None, optimizer: Optional[Callable] = None, timing: str = "auto",
+                   calibrate: Optional[bool] = None) -> Profile:
     """Profile built modules / LayerSpecs / callables in order, feeding each the previous output.
 
     Forward+backward per layer: the backward is driven by a gradient of ones of the output's shape, so
@@ -383,24 +524,58 @@ def profile_layers(layers: Sequence[Any], sample_input: Any, reps: int = 5, warm
     Samples are taken in rounds over all layers, not layer after layer: on a shared machine a burst of
     load then slows one round (which the median drops) instead of every sample of one layer (which it
     cannot; identical transformer blocks measured 27-37 ms layer after layer under load).
+
+    `timing`: "layer" times each layer's forward + backward and update on the host clock with a device
+    synchronisation around each (the CPU way, exact there); "pass" runs a round as a GPU runs a pass
+    (`_pass_round`: forward of all layers, backward of all, updates, events in the stream between layers,
+    one synchronize per round); "auto" (default): "pass" on CUDA, "layer" elsewhere. `calibrate` scales
+    the layers' forward + backward to sum to the whole model's timed pass (`whole_pass_seconds`,
+    `Profile.calibrated`, `meta.whole_pass_seconds`); None (default): on CUDA only.
+
+    Modules passed in built are profiled where they are moved to (`device`, default CUDA when available)
+    and left as they were: same device, dtype, values, gradients, training mode and Parameter objects.
+    They are profiled in training mode.
     """
     import torch
     from torch import nn
 
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = dev.startswith("cuda")
+    if timing == "auto":
+        timing = "pass" if cuda else "layer"
+    if timing not in ("layer", "pass"):
+        raise ValueError(f"timing: 'auto', 'layer' or 'pass' (got {timing!r})")
+    calibrate = cuda if calibrate is None else bool(calibrate)
+    kept = [_Kept(spec) for spec in layers if isinstance(spec, nn.Module)]  # before any move: tied weights too
+    try:
+        return _profile(layers, sample_input, reps, warmup, dev, progress, loss_fn, labels, optimizer, timing,
+                        calibrate)
+    finally:
+        for k in kept:
+            k.restore()
+
+
+def _profile(layers, sample_input, reps, warmup, dev, progress, loss_fn, labels, optimizer, timing, calibrate):
+    import torch
+    from torch import nn
+
     built = []
     for spec in layers:
         mod = spec.build() if hasattr(spec, "build") and hasattr(spec, "typename") else spec
         if isinstance(mod, nn.Module):
-            mod = mod.to(dev)
+            mod = _place(mod, dev)
+            mod.train()
         built.append(mod)
     x = [t.to(dev) for t in sample_input] if isinstance(sample_input, (list, tuple)) else sample_input.to(dev)
+    first_input = x
     if loss_fn is not None and labels is not None:
         labels = labels.to(dev) if hasattr(labels, "to") else labels
         last_loss = lambda y: loss_fn(y, labels)  # noqa: E731
     else:
         last_loss = None
-    sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+    cuda = dev.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    event = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else _HostEvent
     inputs = []  # each layer's input: the previous layer's output
     with torch.no_grad():
         for mod in built:
@@ -416,18 +591,28 @@ def profile_layers(layers: Sequence[Any], sample_input: Any, reps: int = 5, warm
         from tqdm import tqdm
 
         rounds = tqdm(rounds, desc="profile", unit="round")
+    whole = None
     try:
         for r in rounds:
-            for i, mod in enumerate(built):
-                dt, saved_i, y, fw = _fwd_bwd(mod, inputs[i], sync, last_loss if i == n - 1 else None)
-                for p in params[i]:
+            if timing == "pass":
+                res = _pass_round(built, inputs, updates, last_loss, event, sync)
+                for p in (p for ps in params for p in ps):
                     p.grad = None
-                u = updates[i].sample(sync)
-                if r >= warmup:
+            else:
+                res = []
+                for i, mod in enumerate(built):
+                    dt, saved_i, y, fw = _fwd_bwd(mod, inputs[i], sync, last_loss if i == n - 1 else None)
+                    for p in params[i]:
+                        p.grad = None
+                    res.append((dt, fw, updates[i].sample(sync), saved_i, y))
+            if r >= warmup:
+                for i, (dt, fw, u, saved_i, y) in enumerate(res):
                     times[i].append(dt)
                     fwds[i].append(fw)
                     upd[i].append(u)
                     saved[i], act[i] = float(saved_i), _nbytes(y)
+        if calibrate:
+            whole = whole_pass_seconds(built, first_input, last_loss, reps, warmup, event, sync)
     finally:
         for u in updates:
             u.restore()
@@ -441,7 +626,14 @@ def profile_layers(layers: Sequence[Any], sample_input: Any, reps: int = 5, warm
         for l in out:
             l.p2p = msg.get(float(l.act_bytes), 0.0)
     mb = int(_tensors(sample_input)[0].shape[0]) if _tensors(sample_input) else 1
-    return Profile(out, micro_batch=mb, device=dev, device_throughput=matmul_throughput(device=dev))
+    prof = Profile(out, micro_batch=mb, device=dev, device_throughput=matmul_throughput(device=dev))
+    prof.meta["timing"] = ("events per layer, one synchronize per pass" if timing == "pass"
+                           else "host clock per layer, synchronised around each")
+    if whole is not None:
+        layer_sum = sum(l.fwd_bwd for l in out)
+        prof = prof.calibrated(whole)
+        prof.meta.update({"whole_pass_seconds": whole, "layer_sum_seconds": layer_sum})
+    return prof
 
 
 def _detach(x: Any) -> Any:
