@@ -1,7 +1,11 @@
 """`adasum`: Adaptive Summation (Maleki et al., MLSys'21), per tensor, over any group of any size.
 
-Two gradients a, b of one tensor combine as `(1 - a·b/(2|a|²)) a + (1 - a·b/(2|b|²)) b` (a coefficient is 1
-where that squared norm is below `eps`): orthogonal gradients add, identical ones average. Across ranks
+Two gradients a, b of one tensor combine as `(1 - a·b/(2|a|²)) a + (1 - a·b/(2|b|²)) b`: orthogonal
+gradients add, identical ones average. The numerics are Horovod's (horovod/common/ops/adasum/adasum.h):
+a·b, |a|², |b|² accumulated in float64 whatever the gradients' dtype (fp32, fp16, bf16, fp64), the
+coefficient `1.0 - dot / normsq * 0.5` in float64, and 1 where that float64 squared norm is below
+`sqrt(DBL_MIN)` (~1.49e-154, `HOROVOD_EPS`), i.e. only for a numerically zero side: identical gradients
+average at any magnitude a float32 or fp16 gradient can have (1e-30 and 1e30 alike). Across ranks
 the combination is the tree of Horovod's AdasumMPI: recursive vector-halving / distance-doubling. The
 tensors are treated as one virtual flat buffer (their concatenation) but never copied into one: pieces of
 the gradients themselves are sent (`Comm.exchange` takes lists of tensors), partner halves land in one
@@ -13,6 +17,16 @@ each tensor on the half they keep (float64, `pdv_ext.kernels`), sum those few sc
 ranks that now jointly hold the two subtrees' results (recursive doubling inside the block), and combine.
 A distance-halving gather then rebuilds every tensor on every rank, received straight into place.
 
+Inputs of any layout are accepted (strided views, zero-size, one rank's view contiguous and another's
+not): they are checked before any communication, non-contiguous ones are aggregated as contiguous copies
+and the results copied back into the caller's views, so the collective sequence never depends on a
+layout. Device: everything a call computes stays on the gradients' device — the float64 per-tensor
+partial sums, their block sums (through `Comm.exchange`, like the gradient pieces themselves: the comm
+takes tensors where the gradients live, gloo CPU, NCCL CUDA), the coefficients, and the per-layout index
+tensors, built on the host once per layout and cached on the device. This module makes no host
+synchronisation; any that remains is inside `pdv_ext.kernels` (whose `adasum_dots` may return its sums on
+the host: they are moved to the device with one non-blocking copy per level).
+
 Unlike Horovod (MPI only, power-of-two ranks, global set) this runs on any `Comm`: the ranks beyond the
 largest power of two P fold their gradient into rank r - P first (a local pairwise Adasum) and get the
 result back at the end. Every slice of the result is computed by exactly one rank, so all replicas end
@@ -22,14 +36,23 @@ bit-identical. Every rank calls the same sequence of collectives (idle ranks wit
 from __future__ import annotations
 
 import bisect
-from typing import Dict, List, Sequence, Tuple
+import functools
+import math
+import sys
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from pydantic import Field
 
 from .. import kernels
 from ..comm.base import Comm
 from ..config_base import StrictModel
-from .base import Aggregator, group_by_dtype, register_aggregator
+from .base import Aggregator, check_tensors, contiguous_inputs, group_by_dtype, register_aggregator
+
+#: Horovod's zero-norm threshold: adasum.h compares each float64 squared norm with `sqrt(DBL_MIN)`
+#: (checked against Horovod 0.28.1's MPI Adasum: identical float32 gradients of 1e-5, squared norm 4e-10,
+#: come back averaged)
+HOROVOD_EPS = math.sqrt(sys.float_info.min)
 
 Segs = List[Tuple[int, int, int]]  # (tensor index, start, end) in flat-buffer coordinates
 
@@ -39,8 +62,11 @@ class Adasum(Aggregator):
     """Adasum of all replicas' gradients, tensor by tensor; identical result on every replica."""
 
     class Options(StrictModel):
-        #: a squared norm below this counts as zero: that side's coefficient is 1 (Horovod uses 1e-8)
-        eps: float = 1e-8
+        #: a float64 squared norm (of one tensor, over a subtree) below this counts as zero: that side's
+        #: coefficient is 1. Default Horovod's `sqrt(DBL_MIN)` (~1.49e-154): only a numerically zero
+        #: side is summed, any other pair of identical gradients is averaged whatever its magnitude.
+        #: Raising it (e.g. to 1e-8) makes small but non-zero layers add up instead of averaging.
+        eps: float = Field(HOROVOD_EPS, ge=0)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -49,16 +75,7 @@ class Adasum(Aggregator):
     def aggregate(self, grads: List[torch.Tensor], comm: Comm) -> List[torch.Tensor]:
         p2 = 1 << (comm.size.bit_length() - 1)
         self.report = {"ranks": comm.size, "levels": p2.bit_length() - 1, "folded_ranks": comm.size - p2}
-        if comm.size == 1 or not grads:
-            return grads
-        for idx in group_by_dtype(grads).values():  # one pass per dtype; every rank has the same groups
-            tensors = [grads[i] for i in idx]
-            work = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-            n = sum(t.numel() for t in work)
-            adasum_tensors(work, comm, self.options.eps, self._scratch_for(work[0], n))
-            for t, w in zip(tensors, work):
-                if w is not t:
-                    t.copy_(w)
+        _adasum_all(grads, comm, self.options.eps, self._scratch_for, "adasum")
         return grads
 
     def _scratch_for(self, like: torch.Tensor, n: int) -> torch.Tensor:
@@ -67,6 +84,37 @@ class Adasum(Aggregator):
             s = torch.empty(n, dtype=like.dtype, device=like.device)
             self._scratch[like.dtype] = s
         return s[:n]
+
+
+def check_adasum_inputs(tensors: Sequence[torch.Tensor], who: str = "adasum") -> None:
+    """Reject, before any communication, what Adasum cannot take: besides `check_tensors` (dense tensors
+    whose elements do not overlap), a non-floating dtype or tensors on more than one device. Local
+    checks of this rank's call: in an SPMD program every rank raises the same error at the same call."""
+    check_tensors(tensors, who)
+    for i, t in enumerate(tensors):
+        if not t.is_floating_point():
+            raise TypeError(f"{who}: input {i} has dtype {t.dtype}; Adasum needs floating-point tensors")
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"{who}: inputs on more than one device ({', '.join(sorted(map(str, devices)))}); "
+                         "call it once per device")
+
+
+def _adasum_all(tensors: Sequence[torch.Tensor], comm: Comm, eps: float,
+                scratch_for: Callable[[torch.Tensor, int], Optional[torch.Tensor]], who: str) -> None:
+    """Checks, contiguous copies of non-contiguous inputs, one Adasum per dtype, results copied back."""
+    check_adasum_inputs(tensors, who)
+    if comm.size == 1 or not tensors:
+        return
+    work = contiguous_inputs(tensors)
+    for idx in group_by_dtype(work).values():  # one pass per dtype; every rank has the same groups
+        group = [work[i] for i in idx]
+        n = sum(t.numel() for t in group)
+        if n:  # the same on every rank (same shapes): an all-empty group needs no communication
+            _adasum_group(group, comm, eps, scratch_for(group[0], n))
+    for t, w in zip(tensors, work):
+        if w is not t:
+            t.copy_(w)
 
 
 class _Virtual:
@@ -80,12 +128,17 @@ class _Virtual:
         self.views, self.offsets = _layout(tensors)
         self.chunk_views, self.chunk_offsets = _layout(chunks) if chunks else (self.views, self.offsets)
         self.n = self.offsets[-1]
+        self.key = tuple(self.offsets)
         if self.chunk_offsets[-1] != self.n:
             raise ValueError(f"adasum: chunks hold {self.chunk_offsets[-1]} elements, the tensors {self.n}")
 
     def segments(self, lo: int, hi: int) -> Segs:
         """The pieces of each tensor inside [lo, hi) (empty pieces left out)."""
         return _cut(self.offsets, lo, hi)
+
+    def plan(self, lo: int, hi: int, device: torch.device) -> Tuple[Segs, Optional[torch.Tensor]]:
+        """`segments(lo, hi)` and their tensor indices on `device`, cached per layout (`_plan`)."""
+        return _plan(self.key, lo, hi, device)
 
     def pieces(self, segs: Segs) -> List[torch.Tensor]:
         """Views of the tensors for `segs`."""
@@ -123,11 +176,30 @@ def _cut(offsets: List[int], lo: int, hi: int) -> Segs:
     return out
 
 
+@functools.lru_cache(maxsize=4096)
+def _plan(offsets: Tuple[int, ...], lo: int, hi: int, device: torch.device) -> Tuple[Segs, Optional[torch.Tensor]]:
+    """The segments of [lo, hi) and their tensor indices as an int64 tensor on `device`: built on the host
+    once per layout (tensor sizes, slice) and device, then reused every step (no per-call host->device
+    copy; the layouts of one training run are a handful per rank)."""
+    segs = _cut(list(offsets), lo, hi)
+    if not segs:
+        return segs, None
+    idx = torch.tensor([t for t, _, _ in segs], dtype=torch.int64)
+    return segs, idx.to(device, non_blocking=True)
+
+
 def _coefficients(dot: torch.Tensor, mine: torch.Tensor, other: torch.Tensor, eps: float):
-    one = torch.ones_like(dot)
-    ca = torch.where(mine >= eps, 1.0 - dot / mine * 0.5, one)
-    cb = torch.where(other >= eps, 1.0 - dot / other * 0.5, one)
+    """Horovod's coefficients, in float64 on the sums' device: `1 - dot / |.|² * 0.5`, or 1 where that
+    squared norm is below `eps` (the division by a zero norm on the other branch is discarded)."""
+    ca = torch.where(mine >= eps, 1.0 - dot / mine * 0.5, 1.0)
+    cb = torch.where(other >= eps, 1.0 - dot / other * 0.5, 1.0)
     return ca, cb
+
+
+def _sums_into(part: torch.Tensor, idx: torch.Tensor, rows: Sequence[torch.Tensor]) -> None:
+    """Write per-segment float64 sums (`rows`, from `kernels.adasum_dots`, on whichever device it
+    returns them) into the columns `idx` of `part`, on `part`'s device."""
+    part.index_copy_(1, idx, torch.stack([r.to(torch.float64) for r in rows]).to(part.device, non_blocking=True))
 
 
 def _block_sum(part: torch.Tensor, comm: Comm, rank: int, block: int, active: bool) -> torch.Tensor:
@@ -150,15 +222,33 @@ def _block_sum(part: torch.Tensor, comm: Comm, rank: int, block: int, active: bo
 PACK_NUMEL = 1 << 16
 
 
-def adasum_tensors(tensors: Sequence[torch.Tensor], comm: Comm, eps: float = 1e-8,
-                   scratch: torch.Tensor = None) -> Sequence[torch.Tensor]:
-    """Adasum of each of `tensors` (contiguous, one dtype) across `comm`, in place; returns `tensors`."""
-    if comm.size == 1 or not tensors:
-        return tensors
+def adasum_tensors(tensors: Sequence[torch.Tensor], comm: Comm, eps: float = HOROVOD_EPS,
+                   scratch: Optional[torch.Tensor] = None) -> Sequence[torch.Tensor]:
+    """Adasum of each of `tensors` across `comm`, in place; returns `tensors`.
+
+    Collective: every rank passes tensors of the same shapes and dtypes in the same order. Any layout
+    (strided views such as a matrix column, zero-size, a different layout on each rank) and any mix of
+    floating dtypes (one pass per dtype) is accepted; results equal those of contiguous copies and are
+    written into the given tensors. What cannot be taken (see `check_adasum_inputs`) is rejected before
+    any communication. `scratch` (optional) is a receive buffer, used for the dtype group it fits (same
+    dtype and device, at least as many elements)."""
+    def scratch_for(like: torch.Tensor, n: int) -> Optional[torch.Tensor]:
+        if (scratch is not None and scratch.dtype == like.dtype and scratch.device == like.device
+                and scratch.is_contiguous() and scratch.numel() >= n):
+            return scratch.view(-1)[:n]
+        return None
+
+    _adasum_all(tensors, comm, eps, scratch_for, "adasum_tensors")
+    return tensors
+
+
+def _adasum_group(tensors: Sequence[torch.Tensor], comm: Comm, eps: float,
+                  scratch: Optional[torch.Tensor] = None) -> None:
+    """Adasum of contiguous tensors of one dtype and device (at least one element in all), in place."""
     small = [t for t in tensors if t.numel() <= PACK_NUMEL]
     if len(small) < 2:
         _adasum_virtual(_Virtual(tensors), comm, eps, scratch)
-        return tensors
+        return
     # same shapes on every rank -> the same packing everywhere; the small tensors go first, packed
     large = [t for t in tensors if t.numel() > PACK_NUMEL]
     pack = torch.cat([t.reshape(-1) for t in small])
@@ -166,13 +256,13 @@ def adasum_tensors(tensors: Sequence[torch.Tensor], comm: Comm, eps: float = 1e-
     _adasum_virtual(_Virtual(packed + large, [pack] + large), comm, eps, scratch)
     for t, v in zip(small, packed):
         t.view(-1).copy_(v)
-    return tensors
 
 
-def _adasum_virtual(buf: _Virtual, comm: Comm, eps: float, scratch: torch.Tensor = None) -> None:
+def _adasum_virtual(buf: _Virtual, comm: Comm, eps: float, scratch: Optional[torch.Tensor] = None) -> None:
     size, rank = comm.size, comm.rank
     n, n_t = buf.n, len(buf.views)
-    recv = scratch if scratch is not None else torch.empty(n, dtype=buf.views[0].dtype, device=buf.views[0].device)
+    dev = buf.views[0].device
+    recv = scratch if scratch is not None else torch.empty(n, dtype=buf.views[0].dtype, device=dev)
     if recv.numel() != n:
         raise ValueError(f"adasum: scratch has {recv.numel()} elements, the tensors {n}")
 
@@ -182,25 +272,23 @@ def _adasum_virtual(buf: _Virtual, comm: Comm, eps: float, scratch: torch.Tensor
     def recv_messages(lo: int, hi: int) -> List[torch.Tensor]:
         return [recv[s:e] for s, e in buf.message_bounds(lo, hi)]
 
-    def combine(segs: Segs, ca: torch.Tensor, cb: torch.Tensor) -> None:
+    def combine(segs: Segs, idx: Optional[torch.Tensor], ca: torch.Tensor, cb: torch.Tensor) -> None:
         if segs:
-            ts = torch.tensor([t for t, _, _ in segs])
             mine = buf.pieces(segs)
-            kernels.adasum_combine(mine, into_recv(segs), ca[ts], cb[ts], out=mine)
+            kernels.adasum_combine(mine, into_recv(segs), ca.index_select(0, idx), cb.index_select(0, idx), out=mine)
 
     p2 = 1 << (size.bit_length() - 1)
     extra = size - p2
 
     # fold in: rank p2+i hands its gradient to rank i, which combines the two locally
-    everything = buf.segments(0, n)
     if rank >= p2:
         comm.exchange({rank - p2: buf.messages(0, n)}, {})
     elif rank < extra:
         comm.exchange({}, {rank + p2: recv_messages(0, n)})
-        sums = torch.zeros(3, n_t, dtype=torch.float64)  # per tensor, as `combine` indexes them (an empty
-        sums[:, [t for t, _, _ in everything]] = torch.stack(  # tensor has no segment)
-            kernels.adasum_dots(buf.pieces(everything), into_recv(everything)))
-        combine(everything, *_coefficients(sums[0], sums[1], sums[2], eps))
+        everything, idx = buf.plan(0, n, dev)
+        sums = torch.zeros(3, n_t, dtype=torch.float64, device=dev)  # per tensor, as `combine` indexes them
+        _sums_into(sums, idx, kernels.adasum_dots(buf.pieces(everything), into_recv(everything)))
+        combine(everything, idx, *_coefficients(sums[0], sums[1], sums[2], eps))
     else:
         comm.exchange({}, {})
 
@@ -210,28 +298,27 @@ def _adasum_virtual(buf: _Virtual, comm: Comm, eps: float, scratch: torch.Tensor
     kept: List[Tuple[int, int, int]] = []  # (distance, parent lo, parent hi) for the gather phase
     dist = 1
     while dist < p2:
-        part = torch.zeros(3, n_t, dtype=torch.float64)
+        part = torch.zeros(3, n_t, dtype=torch.float64, device=dev)  # per tensor: a·b, |left|², |right|²
         left = (rank & dist) == 0
         segs: Segs = []
+        idx: Optional[torch.Tensor] = None
         if active:
             peer = rank ^ dist
             mid = lo + (hi - lo) // 2
             (klo, khi), (slo, shi) = ((lo, mid), (mid, hi)) if left else ((mid, hi), (lo, mid))
-            segs = buf.segments(klo, khi)
+            segs, idx = buf.plan(klo, khi, dev)
             comm.exchange({peer: buf.messages(slo, shi)}, {peer: recv_messages(klo, khi)})
             if segs:
-                ts = torch.tensor([t for t, _, _ in segs])
                 dot, na, nb = kernels.adasum_dots(buf.pieces(segs), into_recv(segs))
-                part[0, ts] = dot
-                part[1, ts] = na if left else nb  # row 1: the left subtree's |.|², row 2: the right one's
-                part[2, ts] = nb if left else na
+                # row 1: the left subtree's |.|², row 2: the right one's
+                _sums_into(part, idx, (dot, na, nb) if left else (dot, nb, na))
         else:
             comm.exchange({}, {})
         tot = _block_sum(part.reshape(-1), comm, rank, 2 * dist, active).view(3, n_t)
         if active:
             dot, nl, nr = tot[0], tot[1], tot[2]
             ca, cb = _coefficients(dot, nl, nr, eps) if left else _coefficients(dot, nr, nl, eps)
-            combine(segs, ca, cb)
+            combine(segs, idx, ca, cb)
             kept.append((dist, lo, hi))
             lo, hi = klo, khi
         dist *= 2
@@ -257,12 +344,27 @@ def _adasum_virtual(buf: _Virtual, comm: Comm, eps: float, scratch: torch.Tensor
         comm.exchange({}, {})
 
 
-def adasum_flat(buf: torch.Tensor, sizes: List[int], comm: Comm, eps: float = 1e-8,
-                scratch: torch.Tensor = None) -> torch.Tensor:
-    """Adasum of `buf` (the concatenation of tensors of `sizes`) across `comm`, in place; returns `buf`."""
-    if buf.numel() != sum(sizes):
-        raise ValueError(f"adasum_flat: buffer has {buf.numel()} elements, sizes sum to {sum(sizes)}")
-    flat = buf.view(-1)
-    if comm.size > 1 and flat.numel():  # already one chunk: nothing to pack, one message per swap
-        _adasum_virtual(_Virtual(list(torch.split(flat, list(sizes))), [flat]), comm, eps, scratch)
+def adasum_flat(buf: torch.Tensor, sizes: List[int], comm: Comm, eps: float = HOROVOD_EPS,
+                scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Adasum of `buf` (the concatenation of tensors of `sizes`) across `comm`, in place; returns `buf`.
+
+    `buf` may be any floating tensor of that many elements in any layout (a non-contiguous one is reduced
+    as a contiguous copy and the result copied back). Bad input is rejected before any communication.
+    `scratch`, if given, is a contiguous receive buffer of `buf`'s dtype and device and size."""
+    check_adasum_inputs([buf], "adasum_flat")
+    sizes = [int(k) for k in sizes]
+    if any(k < 0 for k in sizes) or buf.numel() != sum(sizes):
+        raise ValueError(f"adasum_flat: buffer has {buf.numel()} elements, sizes {sizes} sum to {sum(sizes)}")
+    if scratch is not None and (scratch.dtype != buf.dtype or scratch.device != buf.device
+                                or not scratch.is_contiguous() or scratch.numel() != buf.numel()):
+        raise ValueError("adasum_flat: scratch must be contiguous, of the buffer's dtype, device and size "
+                         f"(got {scratch.dtype} {scratch.device} with {scratch.numel()} elements)")
+    if comm.size == 1 or not buf.numel():
+        return buf
+    work = buf if buf.is_contiguous() else buf.contiguous()
+    flat = work.view(-1)  # already one chunk: nothing to pack, one message per swap
+    _adasum_virtual(_Virtual(list(torch.split(flat, sizes)), [flat]), comm, eps,
+                    None if scratch is None else scratch.view(-1))
+    if work is not buf:
+        buf.copy_(work)
     return buf

@@ -7,7 +7,7 @@ DeepSpeed's pipeline engine (one per stage, over the stage's data-parallel group
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Optional, Union
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Union
 
 import torch
 from pydantic import ValidationError
@@ -24,6 +24,9 @@ class Aggregator(WithOptions):
 
     - `aggregate(grads, comm)` is collective: every rank of `comm` calls it with tensors of the same
       shapes, in the same order; it returns the tensors to apply (it may reuse the inputs' storage).
+      Called through `aggregator(grads, comm)` it sees contiguous, dense tensors only: `__call__` checks
+      the inputs before any communication and hands non-contiguous ones over as contiguous copies, whose
+      results it copies back into the caller's views (`contiguous_call`).
     - `report` holds what the last call measured (dropped ranks, consensus distance, ...) for the Monitor.
     - `state_dict()/load_state_dict()` carry what must survive a checkpoint (error feedback, RNG, step).
     """
@@ -45,7 +48,7 @@ class Aggregator(WithOptions):
         raise NotImplementedError
 
     def __call__(self, grads: List[torch.Tensor], comm: Comm) -> List[torch.Tensor]:
-        out = self.aggregate(grads, comm)
+        out = contiguous_call(self.aggregate, grads, comm, who=f"aggregator '{self.name}'")
         self.step += 1
         return out
 
@@ -157,3 +160,67 @@ def group_by_dtype(tensors: List[torch.Tensor]) -> Dict[torch.dtype, List[int]]:
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype, []).append(i)
     return groups
+
+
+# ---- inputs of any layout --------------------------------------------------------------------------
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of `t` share memory (an expanded or as_strided view): such a view cannot
+    take results back. Exact for the layouts torch views produce (dims sorted by stride, each stride
+    past the extent of the smaller ones), conservative otherwise."""
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    extent = 0  # elements spanned by the dims seen so far, minus one
+    for st, n in dims:
+        if st <= extent:
+            return True
+        extent += st * (n - 1)
+    return False
+
+
+def check_tensors(tensors: Sequence[Any], who: str = "aggregator") -> None:
+    """Reject what no aggregator can take, before any communication: not a tensor, not dense (sparse,
+    mkldnn), or a view whose elements overlap (results could not be written back). The checks read only
+    this rank's call, so in an SPMD program (the same code on every rank) every rank raises the same
+    error at the same call, and no collective is left half done. Strided, non-contiguous, zero-size and
+    mixed-layout tensors (one rank's view contiguous, another's not) are all accepted."""
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{who}: input {i} is a {type(t).__name__}, not a torch.Tensor")
+        if t.layout != torch.strided:
+            raise ValueError(f"{who}: input {i} has layout {t.layout}; pass dense tensors (t.to_dense())")
+        if t.numel() > 1 and not t.is_contiguous() and _overlaps(t):
+            raise ValueError(f"{who}: input {i} (shape {tuple(t.shape)}, stride {t.stride()}) is a view whose "
+                             "elements overlap (e.g. from expand()); pass t.clone() or t.contiguous()")
+
+
+def contiguous_inputs(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """`tensors`, with each non-contiguous one replaced by a contiguous copy (the others as they are)."""
+    return [t if t.is_contiguous() else t.contiguous() for t in tensors]
+
+
+def copy_back(tensors: Sequence[torch.Tensor], work: Sequence[torch.Tensor],
+              out: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """After aggregating `work` (from `contiguous_inputs(tensors)`) into `out`: each result of a copied
+    input goes back into the caller's tensor, which then stands in the returned list in its place."""
+    res = list(out)
+    if len(res) != len(tensors):
+        return res
+    for i, (t, w) in enumerate(zip(tensors, work)):
+        if w is not t:
+            t.copy_(res[i])
+            res[i] = t
+    return res
+
+
+def contiguous_call(fn: Callable[[List[torch.Tensor], Comm], List[torch.Tensor]], tensors: Sequence[torch.Tensor],
+                    comm: Comm, who: str = "aggregator") -> List[torch.Tensor]:
+    """`fn(tensors, comm)` for tensors of any layout: checked first (`check_tensors`, no communication),
+    `fn` gets contiguous tensors (copies of the non-contiguous ones), and the copies' results are written
+    back into the caller's views. Results equal those of contiguous copies of the inputs, on every rank,
+    whatever layout each rank passed."""
+    tensors = list(tensors)
+    check_tensors(tensors, who)
+    work = contiguous_inputs(tensors)
+    out = fn(work, comm)
+    if all(w is t for w, t in zip(work, tensors)):
+        return out
+    return copy_back(tensors, work, out)

@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from pdv_ext.aggregation import build_aggregator
-from pdv_ext.aggregation.adasum import PACK_NUMEL, adasum_flat
+from pdv_ext.aggregation.adasum import HOROVOD_EPS, PACK_NUMEL, adasum_flat, adasum_tensors
 from tests.threadcomm import run_threads
 
 SHAPES = [(7, 3), (5,), (1,), (64, 33), (2, 2, 2)]
 
 
-def pair(a, b, eps=1e-8):
+def pair(a, b, eps=HOROVOD_EPS):
     """Reference two-vector Adasum in float64."""
     a, b = a.double(), b.double()
     d, na, nb = (a * b).sum(), (a * a).sum(), (b * b).sum()
@@ -157,3 +157,142 @@ def test_options_are_validated():
     from pdv_ext.config_base import ConfigError
     with pytest.raises((ConfigError, ValueError)):
         build_aggregator({"type": "adasum", "epsilon": 1.0})
+
+
+# ---- Horovod's numerics: the sqrt(DBL_MIN) zero-norm guard, float64 sums, any magnitude, fp16/bf16 ----
+def test_guard_is_horovods_constant():
+    import math
+    import sys
+
+    assert HOROVOD_EPS == math.sqrt(sys.float_info.min) and 1.49e-154 < HOROVOD_EPS < 1.50e-154
+    assert build_aggregator("adasum").options.eps == HOROVOD_EPS
+
+
+MAGNITUDES = [(torch.float32, 1e-30), (torch.float32, 1e-20), (torch.float32, 1e-5), (torch.float32, 1e30),
+              (torch.float16, 6e-8), (torch.float16, 1e-4), (torch.float16, 4e4),  # subnormal, small, up to 6e4 (max 65504)
+              (torch.bfloat16, 1e-30), (torch.bfloat16, 1e30), (torch.float64, 1e-60)]
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("dtype,scale", MAGNITUDES)
+def test_identical_gradients_average_at_any_magnitude(size, dtype, scale):
+    """Horovod returns the mean of identical gradients at every magnitude a gradient can have; with the
+    old 1e-8 guard, tiny ones (squared norm < 1e-8) were summed: size times the mean."""
+    g = torch.Generator().manual_seed(7)
+    shapes = [(6, 5), (3,), (1,), (70_000,)]  # packed small tensors and a large one
+    base = [((torch.rand(*s, generator=g, dtype=torch.float64) + 0.5) * scale).to(dtype) for s in shapes]
+    assert all(bool((b != 0).all()) and bool(torch.isfinite(b).all()) for b in base)
+    base[1] = -base[1]
+    out = run([base] * size, size)
+    for r in range(size):
+        for x, y in zip(out[r], base):
+            assert x.dtype == dtype
+            torch.testing.assert_close(x, y, rtol=0, atol=0)  # 0.5 a + 0.5 a: exact in every dtype
+
+
+def test_eps_option_still_selects_a_larger_guard():
+    """Raising eps makes a small but non-zero side count as zero (then it is summed), as documented."""
+    tiny = [torch.full((4,), 1e-6)]  # squared norm 4e-12
+    def fn(comm):
+        return build_aggregator({"type": "adasum", "eps": 1e-8})([tiny[0].clone()], comm)[0]
+    out = run_threads(2, fn)
+    torch.testing.assert_close(out[0], tiny[0] * 2)
+    torch.testing.assert_close(run([tiny, tiny], 2)[0][0], tiny[0])  # the default averages
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("size", [3, 4])
+def test_half_precision_matches_float64_reference(dtype, size):
+    """Dots and norms in float64, combination in float64 rounded once: fp16/bf16 results are within one
+    rounding of the float64 reference tree of the same (rounded) inputs."""
+    per_rank = [[t.to(dtype) for t in ts] for ts in rand_grads(size, seed=40 + size)]
+    out = run(per_rank, size)
+    for r in range(1, size):
+        assert all(torch.equal(x, y) for x, y in zip(out[0], out[r]))
+    tol = {torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    for t in range(len(SHAPES)):
+        ref = tree([per_rank[r][t].reshape(-1) for r in range(size)])
+        torch.testing.assert_close(out[0][t].reshape(-1).double(), ref, rtol=tol, atol=tol)
+
+
+# ---- inputs of any layout: strided views, zero-size, mixed layouts across ranks -------------------------
+def _strided_inputs(rank, seed):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    mat = torch.randn(40, 9, generator=g)
+    keep = mat.clone()
+    col = mat[:, 2]  # a matrix column: stride 9
+    tr = torch.randn(7, 300, generator=g).t()  # transposed, large (not packed)
+    every = torch.randn(70_000 * 2, generator=g)[::2]  # large, stride 2
+    empty = torch.empty(0, 5)
+    small = torch.randn(5, generator=g)
+    # mixed layouts: on odd ranks the 2-D one is a plain contiguous tensor
+    mixed = torch.randn(6, 4, generator=g)
+    if rank % 2:
+        mixed = mixed.t().contiguous().t()
+    return [col, tr, every, empty, small, mixed], mat, keep
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_strided_views_equal_contiguous_copies(size):
+    def fn(comm):
+        views, mat, keep = _strided_inputs(comm.rank, 3)
+        copies = [v.contiguous().clone() for v in views]
+        adasum_tensors(views, comm)
+        build_aggregator("adasum")(copies, comm)
+        others = torch.cat([mat[:, :2], mat[:, 3:]], 1)
+        untouched = torch.equal(others, torch.cat([keep[:, :2], keep[:, 3:]], 1))
+        return views, copies, untouched, [v.is_contiguous() for v in views]
+
+    res = run_threads(size, fn)
+    for views, copies, untouched, contig in res:
+        assert untouched  # only the column was written into its matrix
+        assert contig[0] is False and contig[1] is False and contig[2] is False
+        for v, c in zip(views, copies):
+            assert v.shape == c.shape and torch.equal(v, c)
+    for r in range(1, size):
+        assert all(torch.equal(x, y) for x, y in zip(res[0][0], res[r][0]))
+    inputs = [_strided_inputs(r, 3)[0] for r in range(size)]
+    for t in (0, 1, 2, 5):
+        ref = tree([inputs[r][t].reshape(-1) for r in range(size)])
+        torch.testing.assert_close(res[0][0][t].reshape(-1).double(), ref, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("size", [3, 4])
+def test_aggregate_and_flat_take_strided_buffers(size):
+    def fn(comm):
+        g = torch.Generator().manual_seed(comm.rank)
+        mat = torch.randn(50, 4, generator=g)
+        flat_view = mat[:, 1]
+        copy = flat_view.clone()
+        adasum_flat(flat_view, [20, 0, 30], comm)
+        adasum_flat(copy, [20, 0, 30], comm)
+        direct = [mat[:, 3], torch.empty(0)]
+        direct_copy = [t.clone() for t in direct]
+        build_aggregator("adasum").aggregate(direct, comm)  # the docs' standalone call, no __call__
+        build_aggregator("adasum").aggregate(direct_copy, comm)
+        return torch.equal(flat_view, copy) and all(torch.equal(a, b) for a, b in zip(direct, direct_copy))
+
+    assert all(run_threads(size, fn))
+
+
+def test_bad_inputs_rejected_before_any_communication():
+    """Every rank raises the same error at the same call, and nothing was sent (the comm counts calls)."""
+    from pdv_ext.aggregation.base import check_tensors
+
+    cases = [
+        ([torch.arange(4)], TypeError, "floating"),
+        ([torch.ones(3, 1).expand(3, 4)], ValueError, "overlap"),
+        ([torch.ones(3).to_sparse()], ValueError, "layout"),
+        ([torch.ones(3), "x"], TypeError, "not a torch.Tensor"),
+    ]
+    for tensors, exc, msg in cases:
+        def fn(comm):
+            with pytest.raises(exc, match=msg):
+                adasum_tensors(tensors, comm)
+            with pytest.raises(exc, match=msg):
+                build_aggregator("adasum")(tensors, comm)
+            return dict(comm.calls)
+        assert run_threads(3, fn) == [{}, {}, {}]
+    with pytest.raises(ValueError, match="sizes"):
+        adasum_flat(torch.zeros(5), [2, 2], run_threads.__globals__["ThreadComm"](run_threads.__globals__["_Hub"](2), 0))
+    check_tensors([torch.ones(3, 1).expand(3, 1), torch.empty(0, 3)[:, ::2]])  # no real overlap: accepted
