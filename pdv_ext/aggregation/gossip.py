@@ -13,6 +13,20 @@ Every `sync_every` steps an exact all-reduce moves every replica to the group's 
 (sent + still buffered), so replicas differ only between syncs. `report["consensus_distance"]` is the RMS
 distance of the replicas' cumulative updates from their average, estimated from a 64-bucket count sketch
 (one all-reduce of 65 floats).
+
+Small groups: `peers` is capped at m - 1 (everyone), with one GroupSizeWarning naming the key; a group of
+one is the identity (it applies its gradient plus whatever error feedback it still holds).
+
+Same result on every device: everything random is drawn on the host from seeded CPU generators (the
+peer graph, the sketch's signs), the top-k follows `pdv_ext.kernels`' contract (ascending indices, ties to
+the lower index, NaN above +inf) whichever implementation answers, indices travel as integers beside the
+values (never bit-cast into the float payload), and the mix is formed in a fixed order (peers in
+ascending rank, then the own message) with each weighted message rounded once (`w * vals`, then a plain
+add: no multiply-add that a device may fuse and another may not). Each target entry receives at most one
+add per message (the k indices are distinct), so `index_add_`'s scatter order does not matter.
+
+Host syncs on CUDA: none in the mix; one per call for the reported consensus distance (a float for the
+Monitor), after its all-reduce on the device. The top-k's are those of the kernel implementation.
 """
 from __future__ import annotations
 
@@ -24,8 +38,9 @@ from pydantic import Field
 
 from .. import kernels
 from ..comm.base import Comm
-from ..config_base import ConfigError, StrictModel
+from ..config_base import StrictModel
 from .base import Aggregator, register_aggregator
+from .groups import SmallGroups
 from .robust import flat_dtype, flatten_as, write_back
 
 SKETCH = 64
@@ -55,14 +70,14 @@ def peer_graph(size: int, peers: int, seed: int, step: int) -> List[List[int]]:
 
 
 @register_aggregator("gossip")
-class Gossip(Aggregator):
+class Gossip(SmallGroups, Aggregator):
     """Top-k gossip with error feedback; replicas drift between exact syncs by design."""
 
     #: replicas apply different updates (the non-finite guard must agree before aggregating)
     replicas_identical = False
 
     class Options(StrictModel):
-        #: peers each rank exchanges with per step (must be smaller than the data-parallel group)
+        #: peers each rank exchanges with per step (capped at the data-parallel group size - 1)
         peers: int = Field(2, ge=1)
         #: fraction of entries sent per step, in (0, 1]; 1 sends the whole not-yet-shared update
         ratio: float = Field(0.01, gt=0, le=1)
@@ -82,69 +97,70 @@ class Gossip(Aggregator):
         """Change the peer count (policy action SetGossipPeers); takes effect at the next step."""
         self.options.peers = int(peers)
 
-    def check(self, comm: Comm) -> None:
-        if self.options.peers >= comm.size:
-            raise ConfigError([f"pdv.aggregation.peers: {self.options.peers} peers need a data-parallel group of "
-                               f"at least {self.options.peers + 1} ranks; this group has {comm.size}"])
+    group_limits = {"peers": (lambda m: m - 1, "a rank has at most m - 1 peers")}
 
     def aggregate(self, grads: List[torch.Tensor], comm: Comm) -> List[torch.Tensor]:
-        self.check(comm)
+        peers_now = self.fit_group(comm)["peers"]
         opt = self.options
         g = self._buf = flatten_as(grads, flat_dtype(grads), out=self._buf)  # reused; free again after top-k
         n = g.numel()
         if self.residual is None or self.residual.numel() != n:
             self.residual = torch.zeros_like(g)
             self.applied = torch.zeros_like(g)
-        self.residual = self.residual.to(g.dtype)
-        self.applied = self.applied.to(g.dtype)
+        self.residual = self.residual.to(device=g.device, dtype=g.dtype)
+        self.applied = self.applied.to(device=g.device, dtype=g.dtype)
         synced = opt.sync_every > 0 and (self.step + 1) % opt.sync_every == 0
-        if synced:
+        if comm.size == 1:  # alone: apply everything, shared with nobody (identity when nothing is held back)
+            out = g.add_(self.residual)
+            self.residual.zero_()
+            self.applied += out
+            peers: List[int] = []
+        elif synced:
             target = self.applied + self.residual + g
             comm.all_reduce(target, "avg")
             out = target - self.applied
             self.residual.zero_()
-            peers: List[int] = []
+            peers = []
             self.applied += out
         else:
-            out, peers = self._gossip(g, comm)  # adds what it applies to self.applied, sparsely
+            out, peers = self._gossip(g, comm, peers_now)  # adds what it applies to self.applied, sparsely
         self.report = {"consensus_distance": self._consensus_distance(comm), "peers": peers, "synced": synced}
         return write_back(out, grads)
 
-    def _gossip(self, g: torch.Tensor, comm: Comm):
+    def _gossip(self, g: torch.Tensor, comm: Comm, n_peers: int):
         opt, n, me = self.options, g.numel(), comm.rank
-        nbrs = peer_graph(comm.size, opt.peers, opt.seed, self.step)
+        nbrs = peer_graph(comm.size, n_peers, opt.seed, self.step)
         k = n if opt.ratio >= 1 else max(1, min(n, math.ceil(opt.ratio * n)))
         idx, vals = kernels.topk_error_feedback(g, self.residual, k)
-        if k == n:
-            msg = torch.zeros_like(g)
-            msg[idx] = vals
-        else:  # values and bit-cast indices in one message
-            itype = torch.int32 if g.element_size() == 4 else torch.int64
-            msg = torch.cat([vals.to(g.dtype), idx.to(itype).view(g.dtype)])
-        recvs = {p: torch.empty_like(msg) for p in nbrs[me]}
+        vals = vals.to(g.dtype)
+        if k == n:  # every entry, in index order: the values are the dense message
+            msg = [vals]
+        else:  # values and their indices (int32 while they fit) as one two-part message
+            msg = [vals, idx.to(torch.int32 if n < 2 ** 31 else torch.int64)]
+        recvs = {p: [torch.empty_like(t) for t in msg] for p in nbrs[me]}
         comm.exchange({p: msg for p in nbrs[me]}, recvs)
         deg = [len(x) for x in nbrs]
         out = g.zero_()  # the flat gradient is in the residual now: its buffer becomes the output
         self_w = 1.0
-        for p, buf in recvs.items():
+        for p in sorted(recvs):  # a fixed order of adds: peers in ascending rank, then the own message
             w = 1.0 / (1 + max(deg[me], deg[p]))
             self_w -= w
-            self._add(buf, w, k, n, out, self.applied)
-        self._add(msg, self_w, k, n, out, self.applied)
+            self._add(recvs[p], w, out, self.applied)
+        self._add(msg, self_w, out, self.applied)
         return out, nbrs[me]
 
     @staticmethod
-    def _add(msg: torch.Tensor, w: float, k: int, n: int, *targets: torch.Tensor) -> None:
-        """targets += w x the message's update (dense when it carries everything, else at its k indices:
-        a sparse message costs k, not n)."""
-        if k == n:
+    def _add(msg: List[torch.Tensor], w: float, *targets: torch.Tensor) -> None:
+        """targets += (w x the message's values), the product rounded once (dense when the message carries
+        every entry, else at its k distinct indices: a sparse message costs k, not n)."""
+        scaled = msg[0] * w
+        if len(msg) == 1:
             for t in targets:
-                t.add_(msg, alpha=w)
+                t.add_(scaled)
             return
-        itype = torch.int32 if msg.element_size() == 4 else torch.int64
-        vals, idx = msg[:k], msg[k:].view(itype).long()
+        idx = msg[1].long()
         for t in targets:
-            t.index_add_(0, idx, vals, alpha=w)
+            t.index_add_(0, idx, scaled)
 
     def _consensus_distance(self, comm: Comm) -> float:
         """sqrt(mean_i |u_i - mean u|^2) of the cumulative updates u, from a linear sketch of each: entry j
@@ -169,12 +185,11 @@ class Gossip(Aggregator):
         if rows:
             sk[:SKETCH] = torch.mv(work[:full].view(rows, SKETCH).t(), sign[:rows]).double()
         sk[: n - full] += work[full:].double() * sign[rows].double()  # the ragged last row
-        sk = sk.cpu()
         sk[SKETCH] = sk[:SKETCH].pow(2).sum()
-        comm.all_reduce(sk, "sum")
+        comm.all_reduce(sk, "sum")  # on the device: the host sees only the final number
         m = comm.size
-        mean_sq = sk[:SKETCH].div(m).pow(2).sum()
-        return float(max(0.0, float(sk[SKETCH] / m - mean_sq)) ** 0.5)
+        var = (sk[SKETCH] / m - sk[:SKETCH].div(m).pow(2).sum()).clamp(min=0.0).sqrt()
+        return float(var)  # the call's one host sync
 
     def state_dict(self) -> Dict[str, Any]:
         return {**super().state_dict(), "residual": self.residual, "applied": self.applied,

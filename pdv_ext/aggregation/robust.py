@@ -19,7 +19,8 @@ from pydantic import Field
 from .. import kernels
 from ..comm.base import Comm
 from ..config_base import StrictModel
-from .base import Aggregator, all_finite, register_aggregator
+from .base import Aggregator, register_aggregator
+from .groups import SmallGroups
 
 
 def flat_dtype(grads: List[torch.Tensor]) -> torch.dtype:
@@ -50,9 +51,31 @@ def write_back(flat: torch.Tensor, grads: List[torch.Tensor]) -> List[torch.Tens
 
 
 def finite_rows(stack: torch.Tensor) -> torch.Tensor:
-    """Bool mask of the rows of `stack` without NaN/Inf: `all_finite` per row (a sum per row; the
-    element-wise check only for a row whose sum overflows)."""
-    return torch.tensor([all_finite([row]) for row in stack], dtype=torch.bool)
+    """Bool mask (on `stack`'s device) of the rows of a 2-D `stack` without NaN/Inf. One pass, no mask of
+    the stack's size, no host sync: min and max of a row are both finite exactly when every entry is
+    (NaN propagates through both, +-inf shows in one), and unlike a sum they cannot overflow."""
+    if stack.shape[1] == 0:
+        return torch.ones(stack.shape[0], dtype=torch.bool, device=stack.device)
+    lo, hi = torch.aminmax(stack, dim=1)
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
+def to_host(*tensors: torch.Tensor) -> List[torch.Tensor]:
+    """Small device tensors (masks, scores, a Gram matrix) as float64 CPU tensors of the same shapes, in
+    ONE device-to-host copy: the single host sync an aggregation call may make (CPU tensors: no sync)."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return [t.to(torch.float64) for t in tensors]
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu()
+    out, pos = [], 0
+    for t in tensors:
+        out.append(flat[pos: pos + t.numel()].view(t.shape))
+        pos += t.numel()
+    return out
+
+
+def host_mask(finite: torch.Tensor) -> torch.Tensor:
+    """A bool mask on the host (one copy, a sync, when it is on a device)."""
+    return finite if finite.device.type == "cpu" else finite.cpu()
 
 
 def slice_bounds(n: int, m: int) -> List[int]:
@@ -89,8 +112,8 @@ def gather_slices(flat: torch.Tensor, mine: torch.Tensor, comm: Comm) -> torch.T
 
 
 def agreed_finite(rows: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """Bool mask over ranks: the rows of the candidates without NaN/Inf anywhere, from every rank's check of
-    its own slice (one all-reduce of m flags): identical on every rank."""
+    """Bool mask over ranks (on `rows`' device, no host sync): the candidates without NaN/Inf anywhere, from
+    every rank's check of its own slice (one all-reduce of m flags): identical on every rank."""
     bad = (~finite_rows(rows)).to(torch.float64)
     comm.all_reduce(bad, "sum")
     return bad == 0
@@ -109,28 +132,45 @@ def sum_partials(part: torch.Tensor, comm: Comm) -> torch.Tensor:
 
 
 def finite_stack(stack: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
-    """The finite rows of `stack`: `stack` itself when all are (no copy), else a copy of those rows."""
-    return stack if bool(finite.all()) else stack[finite]
+    """The finite rows of `stack`: `stack` itself when all are (no copy), else a copy of those rows. Give
+    `finite` on the host (a device mask costs one sync here)."""
+    fin = host_mask(finite)
+    if bool(fin.all()):
+        return stack
+    return torch.stack([stack[i] for i in range(fin.numel()) if fin[i]])  # int indices: no index upload
 
 
 def bad_ranks(finite: torch.Tensor) -> List[int]:
-    return [int(i) for i in torch.nonzero(~finite).flatten()]
+    return [i for i, ok in enumerate(host_mask(finite).tolist()) if not ok]
 
 
 def require_some_finite(finite: torch.Tensor, name: str, step: int) -> None:
-    if not bool(finite.any()):
+    if not bool(host_mask(finite).any()):
         raise FloatingPointError(f"{name}: every data-parallel rank sent non-finite gradients at step {step}; "
                                  "nothing to aggregate")
 
 
-class RobustAggregator(Aggregator):
-    """Base of aggregators that tolerate Byzantine and non-finite candidates."""
+class RobustAggregator(SmallGroups, Aggregator):
+    """Base of aggregators that tolerate Byzantine and non-finite candidates.
+
+    Host syncs on CUDA: the statistic, the scores and the weights stay on the device; each call makes one
+    device-to-host copy (`to_host`) of the few values whose host value the algorithm needs (the agreed
+    finite mask: which rows to use and the report; zeno's scores, suspicion's Gram matrix: who is dropped)."""
 
     #: NaN/Inf from a rank are filtered out, never raised (see faults.NonFiniteGuard)
     tolerates_nonfinite = True
     #: the flat gradient and this rank's (m, n/m) slice of every candidate, reused across steps
     _flat: Optional[torch.Tensor] = None
     _rows: Optional[torch.Tensor] = None
+
+    def alone(self, grads: List[torch.Tensor], name: str) -> List[torch.Tensor]:
+        """A group of one: the statistic of one candidate is the candidate (identity), and a non-finite one
+        leaves nothing to aggregate (FloatingPointError, as in a larger group where all are). One sync."""
+        self._flat = flatten_as(grads, flat_dtype(grads), out=self._flat)
+        fin = to_host(finite_rows(self._flat.view(1, -1)))[0] > 0
+        require_some_finite(fin, name, self.step)
+        self.report = {"dropped": [], "nonfinite": []}
+        return grads
 
     def slices(self, grads: List[torch.Tensor], comm: Comm) -> Tuple[torch.Tensor, torch.Tensor]:
         """(rows, finite): every candidate's entries of this rank's slice (`scatter_slices`) and the agreed
@@ -149,38 +189,47 @@ class RobustAggregator(Aggregator):
 @register_aggregator("median")
 class Median(RobustAggregator):
     """Coordinate-wise median of the group's gradients (mean of the two middle values for even counts).
-    Tolerates up to half the ranks being Byzantine, at the price of a noisier estimate than the mean."""
+    Tolerates up to half the ranks being Byzantine, at the price of a noisier estimate than the mean.
+    Defined for every group: the candidate itself for 1, the mean of the two for 2.
+
+    One host sync per call on CUDA: the agreed finite mask (which rows enter the median; the report)."""
 
     class Options(StrictModel):
         pass
 
     def aggregate(self, grads: List[torch.Tensor], comm: Comm) -> List[torch.Tensor]:
+        if comm.size == 1:
+            return self.alone(grads, "median")
         rows, finite = self.slices(grads, comm)
-        require_some_finite(finite, "median", self.step)
-        self.report = {"dropped": bad_ranks(finite), "nonfinite": bad_ranks(finite)}
-        return self.finish_slices(kernels.coordinate_median(finite_stack(rows, finite)), grads, comm)
+        fin = to_host(finite)[0] > 0  # the call's one host sync
+        require_some_finite(fin, "median", self.step)
+        self.report = {"dropped": bad_ranks(fin), "nonfinite": bad_ranks(fin)}
+        return self.finish_slices(kernels.coordinate_median(finite_stack(rows, fin)), grads, comm)
 
 
 @register_aggregator("trimmed_mean")
 class TrimmedMean(RobustAggregator):
     """Coordinate-wise mean after dropping the `b` largest and `b` smallest values of each coordinate.
-    Tolerates `b` Byzantine ranks; needs a group larger than `2 b`."""
+    Tolerates `b` Byzantine ranks; a group of m ranks supports b <= (m - 1) // 2 (a larger b is clamped,
+    with one GroupSizeWarning: 0 for 1 or 2 ranks, the plain mean).
+
+    One host sync per call on CUDA: the agreed finite mask (which rows are trimmed; the report)."""
+
+    group_limits = {"b": (lambda m: (m - 1) // 2, "trimming b per side needs more than 2b ranks")}
 
     class Options(StrictModel):
         #: values trimmed on each side of every coordinate (the number of Byzantine ranks tolerated)
         b: int = Field(1, ge=0)
 
     def aggregate(self, grads: List[torch.Tensor], comm: Comm) -> List[torch.Tensor]:
-        b = self.options.b
-        if 2 * b >= comm.size:
-            from ..config_base import ConfigError
-
-            raise ConfigError([f"pdv.aggregation.b: trimming {b} on each side needs a data-parallel group of more "
-                               f"than {2 * b} ranks; this group has {comm.size}"])
+        b = self.fit_group(comm)["b"]
+        if comm.size == 1:
+            return self.alone(grads, "trimmed_mean")
         rows, finite = self.slices(grads, comm)
-        require_some_finite(finite, "trimmed_mean", self.step)
-        good = finite_stack(rows, finite)
+        fin = to_host(finite)[0] > 0  # the call's one host sync
+        require_some_finite(fin, "trimmed_mean", self.step)
+        good = finite_stack(rows, fin)
         # a non-finite candidate was already removed: it used up one of the trims on its side
         trim = min(b, (good.shape[0] - 1) // 2)
-        self.report = {"dropped": bad_ranks(finite), "nonfinite": bad_ranks(finite), "trim": trim}
+        self.report = {"dropped": bad_ranks(fin), "nonfinite": bad_ranks(fin), "trim": trim}
         return self.finish_slices(kernels.trimmed_mean(good, trim), grads, comm)

@@ -9,6 +9,15 @@ the same scores, bitwise, on every rank, so every replica keeps the same candida
 kept candidates on its slice, and an all-gather rebuilds the result. Candidates with NaN/Inf score -inf
 and are always dropped.
 
+Small groups: a group of m ranks supports b <= m - 1 (one honest candidate is all Zeno needs); a larger
+b is clamped with one GroupSizeWarning, and a group of one is the identity (no validation gradient needed).
+
+Host syncs on CUDA: none for the scores (float64 dot products and norms on the device, summed over the
+slices on the device); one device-to-host copy of the m scores and the finite mask per call, because who
+is kept is a host decision (and the report lists it). The kept candidates are averaged on the device in
+rank-score order with plain adds, so CPU and CUDA give the same bits for the same kept set (the scores
+themselves agree to float64 rounding: the dot products' summation order is the device's).
+
 Where v comes from: `set_validation_grads(list)` (the pipeline engine does this every `refresh_every`
 steps from one extra forward/backward micro-batch of `validation_iter`), or a `validation_fn` callable
 returning the list (standalone). Between refreshes the last v is reused (Zeno++'s stale validation).
@@ -21,11 +30,30 @@ import torch
 from pydantic import Field, model_validator
 
 from ..comm.base import Comm
-from ..config_base import ConfigError, StrictModel
+from ..config_base import StrictModel
 from .base import register_aggregator
 from .. import kernels
 from .robust import (RobustAggregator, bad_ranks, flat_dtype, flatten_as, require_some_finite, scatter_slices,
-                     sum_partials)
+                     sum_partials, to_host)
+
+#: columns per float64 block of the device dot products: never an (m, n) float64 copy of the candidates
+BLOCK = 1 << 16
+
+
+def dots64(rows: torch.Tensor, v: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
+    """(<rows_i, v>, |rows_i|^2) for every row, accumulated in float64 on the rows' device (no host sync),
+    one column block at a time. CPU tensors take `kernels.adasum_dots` (fused C++), as before."""
+    if rows.device.type == "cpu":
+        dot, g2, _ = kernels.adasum_dots(list(rows), [v] * rows.shape[0])
+        return dot, g2
+    m, n = rows.shape
+    dot = torch.zeros(m, dtype=torch.float64, device=rows.device)
+    g2 = torch.zeros(m, dtype=torch.float64, device=rows.device)
+    for lo in range(0, n, BLOCK):
+        blk = rows[:, lo:lo + BLOCK].to(torch.float64)
+        dot += torch.mv(blk, v[lo:lo + BLOCK].to(torch.float64))
+        g2 += (blk * blk).sum(dim=1)
+    return dot, g2
 
 
 @register_aggregator("zeno")
@@ -72,12 +100,24 @@ class Zeno(RobustAggregator):
     def needs_refresh(self) -> bool:
         return self._v is None or self.step - self._v_step >= self.options.refresh_every
 
+    group_limits = {"b": (lambda m: m - 1, "dropping b candidates needs more than b ranks")}
+
+    def requested(self, key: str) -> int:
+        return self.options.dropped
+
+    def option_key(self, key: str) -> str:
+        return "byzantine" if self.options.b is None and self.options.byzantine is not None else "b"
+
+    def needs_refresh(self) -> bool:
+        if self.group_size == 1:  # a group of one keeps its only candidate: nothing to score
+            return False
+        return self._v is None or self.step - self._v_step >= self.options.refresh_every
+
     def aggregate(self, grads: List[torch.Tensor], comm: Comm) -> List[torch.Tensor]:
         opt, m = self.options, comm.size
-        b = opt.dropped
-        if b >= m:
-            raise ConfigError([f"pdv.aggregation.b: dropping {b} candidates needs a data-parallel group of more "
-                               f"than {b} ranks; this group has {m}"])
+        b = self.fit_group(comm)["b"]
+        if m == 1:
+            return self.alone(grads, "zeno")
         if self.validation_fn is not None and self.needs_refresh():
             self.set_validation_grads(self.validation_fn())
         if self._v is None:
@@ -87,34 +127,34 @@ class Zeno(RobustAggregator):
         if n != self._v.numel():
             raise ValueError(f"zeno: validation gradient has {self._v.numel()} elements, gradients {n}")
         rows, finite = self.slices(grads, comm)  # every candidate's entries of this rank's slice
-        require_some_finite(finite, "zeno", self.step)
         # every rank's validation gradient on this slice, summed: the group's mean v, times m. Scattered
-        # again only when some rank's v changed since (agreed: the scatter is collective); between
-        # refreshes (Zeno++'s stale v, refresh_every > 1) the slices are reused
-        stale = (self._vsum is None or self._vsum.shape != rows.shape[1:] or self._vsum.dtype != rows.dtype)
+        # again only when some rank's v changed since (agreed on host flags: the scatter is collective);
+        # between refreshes (Zeno++'s stale v, refresh_every > 1) the slices are reused
+        stale = (self._vsum is None or self._vsum.shape != rows.shape[1:] or self._vsum.dtype != rows.dtype
+                 or self._vsum.device != rows.device)
         if comm.all_reduce_scalars([float(stale)])[0] > 0:
-            self._vrows = scatter_slices(self._v.to(rows.dtype), comm, self._vrows)
+            self._vrows = scatter_slices(self._v.to(device=rows.device, dtype=rows.dtype), comm, self._vrows)
             self._vsum = self._vrows.sum(dim=0)
         vsum = self._vsum
-        # partial <sum_r v_r, g_i> and |g_i|^2 of each finite candidate on this slice in one float64-
-        # accumulating pass (pdv_ext.kernels), summed over the slices in rank order (identical everywhere)
-        good = torch.nonzero(finite).flatten()
-        dot, g2, _ = kernels.adasum_dots([rows[i] for i in good.tolist()], [vsum] * len(good))
-        part = torch.zeros(2, m, dtype=torch.float64)
-        part[0, good], part[1, good] = dot.cpu(), g2.cpu()
-        dot, g2 = sum_partials(part, comm)
+        # partial <sum_r v_r, g_i> and |g_i|^2 of every candidate on this slice, float64 (a non-finite one
+        # gives NaN/Inf here, masked below), summed over the slices in rank order (identical everywhere)
+        dot, g2 = dots64(rows, vsum)
+        dot, g2 = sum_partials(torch.stack([dot, g2]), comm)
         # the group-averaged score gamma <mean_r v_r, g_i> - rho |g_i|^2; an over/underflowed one counts as
         # the worst finite score; non-finite candidates score -inf
         scores = torch.nan_to_num(opt.gamma * dot / m - opt.rho * g2, nan=-1e300, posinf=-1e300, neginf=-1e300)
         scores = torch.where(finite, scores, torch.full_like(scores, float("-inf")))
-        n_keep = max(1, min(m - b, int(finite.sum())))
+        scores, fin = to_host(scores, finite)  # the call's one host sync: who is kept is a host decision
+        fin = fin > 0
+        require_some_finite(fin, "zeno", self.step)
+        n_keep = max(1, min(m - b, int(fin.sum())))
         order = torch.argsort(scores, descending=True, stable=True)
-        keep, drop = order[:n_keep], order[n_keep:]
-        out = rows[int(keep[0])].clone()  # the mean of the kept rows on this slice, without copying them out
-        for i in keep[1:].tolist():
+        keep, drop = order[:n_keep].tolist(), order[n_keep:]
+        out = rows[keep[0]].clone()  # the mean of the kept rows on this slice, without copying them out
+        for i in keep[1:]:
             out.add_(rows[i])
         out.div_(n_keep)
-        self.report = {"dropped": sorted(int(i) for i in drop), "nonfinite": bad_ranks(finite),
+        self.report = {"dropped": sorted(int(i) for i in drop), "nonfinite": bad_ranks(fin),
                        "scores": [float(x) for x in scores]}
         return self.finish_slices(out, grads, comm)
 

@@ -5,7 +5,6 @@ import torch
 from pdv_ext.aggregation import build_aggregator
 from pdv_ext.aggregation.gossip import peer_graph
 from pdv_ext.config import validate_pdv
-from pdv_ext.config_base import ConfigError
 
 from tests.threadcomm import run_threads
 
@@ -88,8 +87,11 @@ def test_config_errors_name_the_key():
     assert errs and errs[0].startswith("pdv.aggregation.ratio")
     assert validate_pdv({"aggregation": {"type": "gossip", "ratio": 0}})[1]
     assert validate_pdv({"aggregation": {"type": "gossip", "peers": 0}})[1]
-    with pytest.raises(ConfigError, match="pdv.aggregation.peers"):
-        run_threads(3, lambda c: build_aggregator({"type": "gossip", "peers": 3})(grad(c.rank, 0), c))
+    with pytest.warns(UserWarning, match="pdv.aggregation.peers=3 clamped to 2 for a data-parallel group of 3"):
+        res = run_threads(3, lambda c: (lambda a: (a(grad(c.rank, 0), c), a.report["peers"]))(
+            build_aggregator({"type": "gossip", "peers": 3}))[1])
+    assert [len(p) for p in res] == [2, 2, 2]  # the clamped value is what ran: everyone is a peer
+    assert validate_pdv({"aggregation": {"type": "gossip", "peers": 3}})[1] == []
 
 
 def test_state_dict_resumes_identically_and_set_peers():

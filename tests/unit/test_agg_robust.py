@@ -3,7 +3,6 @@ import pytest
 import torch
 
 from pdv_ext.aggregation import build_aggregator
-from pdv_ext.config_base import ConfigError
 from pdv_ext.config import validate_pdv
 
 from tests.threadcomm import run_threads
@@ -79,9 +78,13 @@ def test_nonfinite_rank_never_reaches_output(spec):
     assert (res[0][0] - honest).norm() < 0.2 * honest.norm()
 
 
-def test_trimmed_mean_too_few_ranks_is_config_error():
-    with pytest.raises(ConfigError, match="pdv.aggregation.b"):
-        run({"type": "trimmed_mean", "b": 2}, 4)
+def test_trimmed_mean_too_few_ranks_clamps_b_with_one_warning():
+    from pdv_ext.aggregation.groups import GroupSizeWarning
+
+    with pytest.warns(GroupSizeWarning, match=r"pdv.aggregation.b=2 clamped to 1 for a data-parallel group of 4"):
+        res = run({"type": "trimmed_mean", "b": 2}, 4)
+    assert all(rep["trim"] == 1 for _, rep in res)
+    assert torch.equal(res[0][0], run({"type": "trimmed_mean", "b": 1}, 4)[0][0])
 
 
 def test_suspicion_replaces_outlier_and_weights_by_distance():
@@ -139,8 +142,9 @@ def test_zeno_options_and_validation_refresh():
     assert len(calls) == 3 * 3  # steps 0, 2, 4 on each of 3 ranks
     with pytest.raises(RuntimeError, match="validation"):
         run({"type": "zeno"}, 3)
-    with pytest.raises(ConfigError, match="pdv.aggregation.b"):
-        run({"type": "zeno", "b": 3}, 3, setup=lambda a, c: a.set_validation_grads(grads_of(0)))
+    with pytest.warns(UserWarning, match="pdv.aggregation.b=3 clamped to 2 for a data-parallel group of 3"):
+        res = run({"type": "zeno", "b": 3}, 3, setup=lambda a, c: a.set_validation_grads(grads_of(0)))
+    assert len(res[0][1]["dropped"]) == 2
 
 
 def test_finite_rows_sum_shortcut_is_exact():
