@@ -7,8 +7,9 @@ DeepSpeed's pipeline engine dispatches schedule instructions through the class-l
 """
 from __future__ import annotations
 
+import contextlib
 import json
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe import schedule
-from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.engine import MEMORY_OPT_ALLREDUCE_SIZE, PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
 
@@ -222,13 +223,31 @@ class GradHook:
 class PDVPipelineEngine(PipelineEngine):
     """DeepSpeed's PipelineEngine whose data-parallel gradient reduction is a pluggable Aggregator.
 
-    Each stage aggregates over its own data-parallel group (`self.dp_comm`). With ZeRO stage 1 or the
-    BF16 optimizer DeepSpeed reduces inside its optimizer; there only `mean` is possible and we leave
-    the reduction to DeepSpeed.
+    Each stage aggregates over its own data-parallel group (`self.dp_comm`) the gradients DeepSpeed
+    would all-reduce, in one of three reduction modes (`self.reduce_mode`):
+
+    - `"engine"` (fp32, fp16): the parameters' `.grad`, DeepSpeed's `allreduce_gradients`. `mean` is
+      pdv's own Mean, bit-identical to DeepSpeed's bucketed all-reduce.
+    - `"bf16"` (BF16_Optimizer: `bf16` alone, or bf16 + ZeRO-1 with fp32 gradient accumulation): the
+      optimizer's flat gradient buffers, one view per parameter (`optimizer.fp32_groups_gradients`,
+      fp32 or bf16 after `data_types.grad_accum_dtype`). DeepSpeed all-reduces them and the optimizer's
+      step takes this rank's partition.
+    - `"zero"` (DeepSpeedZeroOptimizer, ZeRO stage 1): the parameters' full gradients; ZeRO's
+      `reduce_gradients` then takes this rank's partition. A non-mean aggregator produces the averaged
+      gradient first and ZeRO's bookkeeping runs with its communication switched off (no second
+      reduction).
+
+    In "bf16" and "zero" mode `mean` is DeepSpeed's own reduction (bit-identical by construction);
+    every other aggregator works on fp32 copies of bf16 gradients (aggregators compute in fp32/fp64)
+    and writes the result back. ZeRO stage 2/3 cannot run in a DeepSpeed pipeline at all.
     """
 
     def __init__(self, *args: Any, pdv_config: Optional[PDVConfig] = None, validation_iter: Any = None,
                  **kwargs: Any):
+        cc = kwargs.get("config_class")
+        if cc is not None and int(getattr(cc, "zero_optimization_stage", 0) or 0) >= 2:
+            raise ConfigError([f"zero_optimization.stage: {cc.zero_optimization_stage} partitions gradients, which "
+                               "DeepSpeed's pipeline engine does not support; use stage 0 or 1 with pipelines"])
         super().__init__(*args, **kwargs)
         self.pdv_config = pdv_config or PDVConfig()
         self.validation_iter = validation_iter
@@ -236,7 +255,9 @@ class PDVPipelineEngine(PipelineEngine):
         self.dp_comm = TorchComm(self.grid.get_data_parallel_group())
         self.placement = getattr(self.module, "_pdv_placement", None)
         self.init_search_report = getattr(self.module, "_pdv_init_search", None)
-        self._native_reduce = bool(self.using_bf16_optimizer or self.zero_optimization_stage() > 0)
+        self.reduce_mode = ("bf16" if self.using_bf16_optimizer else
+                            "zero" if self.zero_optimization_stage() > 0 else "engine")
+        self._native_reduce = False  # set by set_aggregator: `mean` in "bf16"/"zero" mode is DeepSpeed's own
         self.set_aggregator(self.pdv_config.aggregation)
         from ..aggregation.faults import install_fault_hooks  # pdv.faults + the NaN/Inf guard
 
@@ -255,19 +276,63 @@ class PDVPipelineEngine(PipelineEngine):
             # follow DeepSpeed's own scaling settings so `mean` stays bit-identical to it
             agg.options.prescale = not self.postscale_gradients()
             agg.options.predivide_factor = float(self.gradient_predivide_factor())
-        if self._native_reduce and agg.name != "mean":
-            raise ConfigError([f"pdv.aggregation.type: '{agg.name}' needs DeepSpeed to hand over gradient "
-                               "reduction; ZeRO stage 1 and the BF16 optimizer reduce inside DeepSpeed's "
-                               "optimizer (use 'mean', or turn them off)"])
+        native = self.reduce_mode != "engine" and agg.name == "mean"
+        if self.reduce_mode == "zero" and not native:
+            self._check_zero_takeover(agg.name)
         self.aggregator = agg
+        self._native_reduce = native
         return agg
+
+    def _check_zero_takeover(self, name: str) -> None:
+        """What ZeRO-1 settings a non-mean aggregator cannot run under (each named by its config key)."""
+        opt, errors = self.optimizer, []
+        why = f"pdv.aggregation.type '{name}' under ZeRO stage 1"
+        if self.zero_cpu_offload():
+            errors.append(f"zero_optimization.offload_optimizer: {why} needs the gradients on the device (no "
+                          "optimizer offload); use 'mean' or turn offload off")
+        if getattr(opt, "overlap_comm", False):
+            errors.append(f"zero_optimization.overlap_comm: {why} needs it false (the pipeline reduces at the "
+                          "step boundary anyway)")
+        compact = getattr(opt, "_use_compact_grad_partition_buffer", None)
+        if compact is not None and any(compact(i) for i in range(len(getattr(opt, "bit16_groups", [])))):
+            errors.append(f"data_types.grad_accum_dtype: {why} needs the gradient accumulation dtype equal to the "
+                          "model's (fp32 accumulation of bf16 weights runs on the BF16 optimizer: leave ZeRO at "
+                          "stage 1 with bf16, which DeepSpeed then picks)")
+        if not all(hasattr(opt, a) for a in ("bit16_groups", "get_gradient_for_reduction", "average_tensor",
+                                             "buffered_reduce_fallback")):
+            errors.append(f"zero_optimization.stage: {why} needs DeepSpeedZeroOptimizer (got "
+                          f"{type(opt).__name__})")
+        if errors:
+            raise ConfigError(errors)
+
+    def _grads_watched(self) -> bool:
+        """Whether a grad hook other than the (passive under `mean`) non-finite guard wants the gradients."""
+        return any(type(h).__name__ != "NonFiniteGuard" for h in self.grad_hooks)
+
+    @contextlib.contextmanager
+    def _optimizer_grads_kept(self) -> Iterator[None]:
+        """Keep the BF16 optimizer's accumulated gradients through an extra backward (Zeno's validation
+        pass adds its gradients into the optimizer's buffers in "bf16" mode; `.grad` it restores itself)."""
+        if self.reduce_mode != "bf16":
+            yield
+            return
+        opt = self.optimizer
+        saved = [f.clone() for f in opt.fp32_groups_gradients_flat]
+        flags = [list(f) for f in opt.fp32_groups_has_gradients]
+        try:
+            yield
+        finally:
+            for f, s in zip(opt.fp32_groups_gradients_flat, saved):
+                f.copy_(s)
+            opt.fp32_groups_has_gradients[:] = flags
 
     def aggregate_gradients(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         """Run the grad hooks and the aggregator over this stage's data-parallel group."""
         if self.aggregator.needs_validation:  # Zeno: one validation micro-batch through the pipeline
             from ..aggregation.validation import refresh_validation
 
-            refresh_validation(self)
+            with self._optimizer_grads_kept():
+                refresh_validation(self)
         for hook in self.grad_hooks:
             grads = hook.before(self, grads)
         out = self.aggregator(grads, self.dp_comm)
@@ -275,17 +340,79 @@ class PDVPipelineEngine(PipelineEngine):
             hook.after(self, out)
         return out
 
+    def _aggregate_in_place(self, grads: List[torch.Tensor]) -> None:
+        """Aggregate `grads` and write the result into them; bf16 tensors go through fp32 copies."""
+        work = [g.float() if g.dtype == torch.bfloat16 else g for g in grads]
+        out = self.aggregate_gradients(work)
+        for g, o in zip(grads, out):
+            if o is not g:
+                g.copy_(o)
+
+    def reduction_grads(self) -> List[torch.Tensor]:
+        """The gradients DeepSpeed would all-reduce in this engine's mode, one tensor per parameter, in
+        the same order on every rank of the stage (views: writing them changes what the optimizer uses)."""
+        if self.reduce_mode == "bf16":
+            opt = self.optimizer
+            return [g.view(p.shape) for lps, gs in zip(opt.bf16_groups, opt.fp32_groups_gradients)
+                    for p, g in zip(lps, gs)]
+        if self.reduce_mode == "zero":
+            opt, out = self.optimizer, []
+            for group in opt.bit16_groups:
+                for p in group:
+                    if p.numel() == 0:
+                        continue
+                    g = opt.get_gradient_for_reduction(p)
+                    if g is None:  # every rank must reduce the same tensors (DeepSpeed's own rule)
+                        if getattr(opt, "use_grad_accum_attribute", False):
+                            p.grad_accum = torch.zeros_like(p, dtype=opt.gradient_accumulation_dtype)
+                        else:
+                            p.grad = torch.zeros_like(p)
+                        g = opt.get_gradient_for_reduction(p)
+                    out.append(g)
+            return out
+        return self._get_gradients_for_reduction()[0]
+
+    def _zero_partition_without_comm(self) -> None:
+        """ZeRO-1's reduce_gradients with its communication switched off: the gradients already hold
+        the aggregate, ZeRO copies this rank's partition into its averaged-gradient buffers as usual."""
+        opt = self.optimizer
+        opt.average_tensor = lambda tensor, *a, **k: tensor
+        opt.buffered_reduce_fallback = lambda *a, **k: None
+        try:
+            self.allreduce_gradients(bucket_size=MEMORY_OPT_ALLREDUCE_SIZE)
+        finally:
+            del opt.average_tensor, opt.buffered_reduce_fallback  # back to the class's methods
+
+    def _native_mean(self) -> None:
+        """DeepSpeed's own reduction (`mean` in "bf16"/"zero" mode); in "bf16" mode the grad hooks see the
+        optimizer's buffers around it (they hold the full average afterwards)."""
+        grads = self.reduction_grads() if self.reduce_mode == "bf16" and self._grads_watched() else None
+        if grads is not None:
+            seen = grads
+            for hook in self.grad_hooks:
+                seen = hook.before(self, seen)
+            for g, s in zip(grads, seen):
+                if s is not g:
+                    g.copy_(s)
+        PipelineEngine._exec_reduce_grads(self)
+        if grads is not None:
+            for hook in self.grad_hooks:
+                hook.after(self, grads)
+
     def _exec_pdv_reduce_grads(self) -> None:
-        if self._native_reduce:
+        if not self.pipeline_enable_backward_allreduce:
             return PipelineEngine._exec_reduce_grads(self)
+        if self._native_reduce and (self.reduce_mode == "bf16" or not self._grads_watched()):
+            return self._native_mean()
+        # the aggregator takes over (under ZeRO-1 also `mean` while a hook watches the gradients: ZeRO
+        # leaves only this rank's partition reduced, the hooks need the whole average)
         self._force_grad_boundary = True
-        if self.pipeline_enable_backward_allreduce:
-            grads, _expert = self._get_gradients_for_reduction()
-            out = self.aggregate_gradients(grads)
-            for g, o in zip(grads, out):
-                if o is not g:
-                    g.copy_(o)
-        self._force_grad_boundary = False
+        try:
+            self._aggregate_in_place(self.reduction_grads())
+            if self.reduce_mode == "zero":
+                self._zero_partition_without_comm()
+        finally:
+            self._force_grad_boundary = False
 
     # -- policies and checkpoints (the logic lives in pdv_ext.policy.engine) -------------------------
     def train_batch(self, data_iter: Any = None) -> Any:
@@ -356,12 +483,18 @@ def initialize(args: Any = None,
     `deepspeed.initialize` unchanged. `validation_iter` feeds aggregators that score against trusted
     validation data (Zeno). `init_search_iter` yields this rank's (inputs, labels) batches for
     `pdv.init_search` (the search runs on the whole model before the engine is built).
+
+    `args.deepspeed_config` (`--deepspeed_config`) is read as the config when `config` is not given, and
+    left as the caller set it: DeepSpeed's engine never reads it, and for a model that is not a
+    `PipelineModule` it is hidden (set to None) only while `deepspeed.initialize` runs, which refuses it
+    beside the config dict pdv hands over. At the end, rank 0 logs what pdv_ext set up (engine, aggregator
+    per stage, placement, policies, init search) through DeepSpeed's logger (`pdv_ext.integrations.summary`).
     """
     if config is None and config_params is not None:
         config = config_params
+    from_args = None  # the caller's --deepspeed_config, kept in args (hidden from deepspeed.initialize below)
     if config is None and getattr(args, "deepspeed_config", None) is not None:
-        config = args.deepspeed_config
-        args.deepspeed_config = None  # deepspeed refuses both; we hand it the dict
+        config = from_args = args.deepspeed_config
     if config is None:
         raise ConfigError(["config: pass config=... or --deepspeed_config (a DeepSpeed JSON with a 'pdv' section)"])
     ds_config, pdv_cfg = split_config(config)
@@ -374,11 +507,17 @@ def initialize(args: Any = None,
         if pdv_cfg.aggregation.type != "mean":
             raise ConfigError(["pdv.aggregation.type: custom aggregation needs a PipelineModule under "
                                "DeepSpeed (or pdv_ext.horovod for Horovod)"])
-        return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                                    training_data=training_data, lr_scheduler=lr_scheduler,
-                                    distributed_port=distributed_port, mpu=mpu,
-                                    dist_init_required=dist_init_required, collate_fn=collate_fn,
-                                    config=ds_config, mesh_param=mesh_param)
+        if from_args is not None:  # deepspeed.initialize refuses args.deepspeed_config beside the dict we pass
+            args.deepspeed_config = None
+        try:
+            return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                        training_data=training_data, lr_scheduler=lr_scheduler,
+                                        distributed_port=distributed_port, mpu=mpu,
+                                        dist_init_required=dist_init_required, collate_fn=collate_fn,
+                                        config=ds_config, mesh_param=mesh_param)
+        finally:
+            if from_args is not None:
+                args.deepspeed_config = from_args
     if mpu is not None:
         raise ConfigError(["mpu: must be None with pipeline parallelism (the PipelineModule defines the grid)"])
 
@@ -400,4 +539,6 @@ def initialize(args: Any = None,
                                dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
                                config_class=config_class, pdv_config=pdv_cfg, validation_iter=validation_iter)
     engine._configure_python_gc()
+    from .summary import log_startup  # rank 0 logs what pdv_ext set up (one small collective)
+    log_startup(engine, pdv_cfg)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
