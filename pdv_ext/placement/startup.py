@@ -57,11 +57,14 @@ def make_plan(module: Any, pl: Any, world_size: int, micro_batches: Optional[int
 
 
 def plan_for_module(module: Any, placement_cfg: Any, micro_batches: Optional[int] = None) -> Dict[str, Any]:
-    """Plan on rank 0, broadcast, return the same plan dict on every rank."""
+    """Plan on rank 0, broadcast, return the same plan dict on every rank (also kept as `module._pdv_plan`)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return make_plan(module, placement_cfg, 1 if module is None else module.world_size, micro_batches)
+        plan = make_plan(module, placement_cfg, 1 if module is None else module.world_size, micro_batches)
+        if module is not None:
+            module._pdv_plan = plan
+        return plan
     box: list = [None]
     if dist.get_rank() == 0:
         try:
@@ -76,4 +79,6 @@ def plan_for_module(module: Any, placement_cfg: Any, micro_batches: Optional[int
         raise ConfigError(got["config_error"])
     if "error" in got:
         raise RuntimeError(f"placement planning failed on rank 0: {got['error']}")
+    if module is not None:
+        module._pdv_plan = got["ok"]  # the start-up summary reports its solver and predicted step time
     return got["ok"]

@@ -1,0 +1,150 @@
+"""What `pdv_ext.initialize` logs at start-up: that pdv_ext took over, one line per capability in use.
+
+A user who printed `type(engine)` could not tell whether the aggregator, the placement or the policies were
+active. At the end of `initialize` every rank hands rank 0 its stage and its aggregator (one small
+`all_gather_object` over the world: aggregators are built per stage and a plugin factory may build a
+different one per stage), and rank 0 logs, through DeepSpeed's logger (so DeepSpeed's log level applies):
+
+    pdv_ext: engine PDVPipelineEngine: 2 stages x 2 data-parallel replicas (4 ranks)
+    pdv_ext: aggregator adasum() on every stage's data-parallel group
+    pdv_ext: placement boundaries [0, 3, 8], rank mapping [[0, 3], [1, 2]] (plan plan.json, solver dp; predicted step 161.6 ms)
+    pdv_ext: policies gns_batch_size(...) (agreed every 1 step; monitor -> runs/demo)
+    pdv_ext: init search: 16 candidates on 4 ranks in 12.3 s; winner ... (score 2.1, default 2.4)
+    pdv_ext: faults sign_flip from ranks [3]
+
+Lines for capabilities not in use (no placement given, no policy, ...) are left out.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Optional
+
+PREFIX = "pdv_ext: "
+
+
+def describe(plugin: Any) -> str:
+    """`name(option=value, ...)`: an aggregator or a policy as configured on this rank."""
+    opts = getattr(plugin, "options", None)
+    dump = opts.model_dump() if hasattr(opts, "model_dump") else dict(opts or {})
+    return f"{getattr(plugin, 'name', type(plugin).__name__)}({', '.join(f'{k}={v!r}' for k, v in dump.items())})"
+
+
+def local_facts(engine: Any) -> Dict[str, Any]:
+    """What this rank contributes to rank 0's summary: its stage and its aggregator."""
+    agg = getattr(engine, "aggregator", None)
+    return {"stage": int(getattr(engine, "stage_id", 0)),
+            "aggregator": describe(agg) if agg is not None else None,
+            "native_reduce": bool(getattr(engine, "_native_reduce", False))}
+
+
+def gather_facts(facts: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
+    """Every rank's facts on rank 0 (None elsewhere). Collective over the world when one is initialised."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [facts]
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, facts)
+    return out if dist.get_rank() == 0 else None
+
+
+def _ms(seconds: Any) -> Optional[str]:
+    try:
+        s = float(seconds)
+    except (TypeError, ValueError):
+        return None
+    return f"{s * 1e3:.1f} ms" if s == s and s > 0 else None  # NaN: the plan predicted nothing
+
+
+def _placement_line(engine: Any, cfg: Any) -> Optional[str]:
+    applied = getattr(engine, "placement", None)
+    if not applied:
+        return None
+    pl = cfg.placement
+    plan: Dict[str, Any] = getattr(engine.module, "_pdv_plan", None) or {}
+    if pl.plan is not None:
+        source = f"plan {pl.plan}"
+        try:
+            with open(pl.plan, encoding="utf-8") as f:
+                plan = json.load(f)
+        except (OSError, ValueError):
+            plan = {}
+    elif pl.cluster is not None:
+        source = f"planned at start-up on {pl.cluster}"
+    else:
+        source = "explicit " + " and ".join(k for k in ("boundaries", "rank_mapping") if getattr(pl, k) is not None)
+    details = [source]
+    if plan.get("solver"):
+        details.append(f"solver {plan['solver']}")
+    predicted = _ms(plan.get("predicted_step_time"))
+    if predicted:
+        mb = plan.get("micro_batches")
+        details.append(f"predicted step {predicted}" + (f" at {mb} micro-batches" if mb else ""))
+    return (f"placement boundaries {applied['boundaries']}, rank mapping {applied['rank_mapping']} "
+            f"({'; '.join(details)})")
+
+
+def _policy_line(engine: Any) -> Optional[str]:
+    glue = getattr(engine, "pdv_policy", None)
+    if glue is None:
+        return None
+    runner = getattr(glue, "runner", None)
+    policies = [describe(p) for p in getattr(runner, "policies", [])] if runner is not None else []
+    cfg = glue.cfg
+    where = cfg.monitor.output_dir or "in memory"
+    head = f"policies {', '.join(policies)}" if policies else "policies none"
+    return f"{head} (agreed every {cfg.every} step{'s' if cfg.every != 1 else ''}; monitor -> {where})"
+
+
+def _init_search_line(engine: Any) -> Optional[str]:
+    rep = getattr(engine, "init_search_report", None)
+    if not rep:
+        return None
+    win = rep.get("winner", {})
+    secs = rep.get("probe_seconds")
+    who = ", ".join(f"{k} {win[k]}" for k in ("scheme", "scale", "seed") if win.get(k) is not None) or "the default"
+    return (f"init search: {rep.get('candidates', '?')} candidates on {rep.get('ranks', '?')} ranks"
+            + (f" in {secs:.1f} s" if isinstance(secs, (int, float)) else "")
+            + f"; winner {who} (score {win.get('score')!s}, default {rep.get('default_score')!s})")
+
+
+def startup_lines(engine: Any, facts: List[Dict[str, Any]], cfg: Any) -> List[str]:
+    """The summary from every rank's `local_facts` (in rank order) and the validated `pdv` section."""
+    stages = int(getattr(engine, "num_stages", 1))
+    world = len(facts)
+    dp = max(world // max(stages, 1), 1)
+    lines = [f"engine {type(engine).__name__}: {stages} stage{'s' if stages != 1 else ''} x {dp} data-parallel "
+             f"replica{'s' if dp != 1 else ''} ({world} rank{'s' if world != 1 else ''})"]
+    per_stage: Dict[int, str] = {}
+    for f in facts:  # each stage's first rank: the stage's data-parallel group shares one configuration
+        if f.get("aggregator") is not None:
+            per_stage.setdefault(int(f["stage"]), f["aggregator"])
+    native = any(f.get("native_reduce") for f in facts)
+    how = " (ZeRO / BF16 optimizer: DeepSpeed reduces inside its optimizer)" if native else ""
+    if len(set(per_stage.values())) == 1:
+        lines.append(f"aggregator {next(iter(per_stage.values()))} on every stage's data-parallel group{how}")
+    elif per_stage:
+        lines.append("aggregator per stage: " + "; ".join(f"stage {s}: {a}" for s, a in sorted(per_stage.items())) + how)
+    for line in (_placement_line(engine, cfg), _policy_line(engine), _init_search_line(engine)):
+        if line:
+            lines.append(line)
+    faults = getattr(cfg, "faults", None)
+    if faults is not None and getattr(faults, "byzantine_ranks", None):
+        lines.append(f"faults {faults.attack} from ranks {list(faults.byzantine_ranks)}")
+    return [PREFIX + line for line in lines]
+
+
+def log_startup(engine: Any, cfg: Any = None) -> List[str]:
+    """Collective (every rank calls it once, at the end of `initialize`): rank 0 logs the summary through
+    `deepspeed.utils.logger` at INFO (DeepSpeed's level applies: its logger is at WARNING unless the config
+    says `"log_level": "info"` or the launcher `--log_level info`) and keeps the lines as
+    `engine.pdv_startup_summary`; other ranks log nothing and keep []. Returns the lines."""
+    from deepspeed.utils import logger
+
+    cfg = cfg if cfg is not None else engine.pdv_config
+    facts = gather_facts(local_facts(engine))
+    lines = [] if facts is None else startup_lines(engine, facts, cfg)
+    for line in lines:
+        logger.info(line)
+    engine.pdv_startup_summary = lines
+    return lines

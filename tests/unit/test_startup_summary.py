@@ -1,0 +1,99 @@
+"""The start-up summary's lines from fake engines (no process group): what each capability's line says,
+the aggregator per stage only where stages differ, and DeepSpeed's log level deciding whether it shows.
+The real thing on two ranks (rank 0 only): tests/integration/test_startup_summary.py."""
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from pdv_ext.aggregation import build_aggregator
+from pdv_ext.config import load_pdv
+from pdv_ext.integrations import summary as S
+
+
+class PDVPipelineEngine(SimpleNamespace):
+    pass
+
+
+def _engine(cfg, **kw):
+    base = dict(num_stages=2, stage_id=0, aggregator=build_aggregator("mean"), _native_reduce=False,
+                placement=None, pdv_policy=None, init_search_report=None, module=SimpleNamespace(), pdv_config=cfg)
+    return PDVPipelineEngine(**{**base, **kw})
+
+
+def test_plain_engine_says_engine_and_aggregator_only():
+    cfg = load_pdv({})
+    eng = _engine(cfg)
+    facts = [dict(S.local_facts(eng), stage=s) for s in (0, 0, 1, 1)]
+    lines = S.startup_lines(eng, facts, cfg)
+    assert lines[0] == "pdv_ext: engine PDVPipelineEngine: 2 stages x 2 data-parallel replicas (4 ranks)"
+    assert lines[1].startswith("pdv_ext: aggregator mean(prescale=False, predivide_factor=1.0")  # all its options
+    assert lines[1].endswith(") on every stage's data-parallel group") and len(lines) == 2
+
+
+def test_every_capability_in_use_gets_its_line(tmp_path):
+    plan = tmp_path / "p.json"
+    plan.write_text(json.dumps({"boundaries": [0, 2, 4], "rank_mapping": [[0], [1]], "predicted_step_time": 0.1616,
+                                "solver": "dp", "micro_batches": 4}))
+    cfg = load_pdv({"aggregation": {"type": "adasum"}, "placement": {"plan": str(plan)},
+                    "faults": {"byzantine_ranks": [1], "attack": "sign_flip"}})
+    policy = SimpleNamespace(cfg=SimpleNamespace(every=5, monitor=SimpleNamespace(output_dir="runs/x")),
+                             runner=SimpleNamespace(policies=[SimpleNamespace(name="schedule", options={"at": 3})]))
+    report = {"winner": {"scheme": "kaiming", "scale": 0.5, "seed": 7, "score": 2.1}, "default_score": 2.4,
+              "candidates": 16, "ranks": 2, "probe_seconds": 1.25}
+    eng = _engine(cfg, aggregator=build_aggregator("adasum"), placement={"boundaries": [0, 2, 4], "rank_mapping": [[0], [1]]},
+                  pdv_policy=policy, init_search_report=report)
+    facts = [dict(S.local_facts(eng), stage=s) for s in (0, 1)]
+    lines = S.startup_lines(eng, facts, cfg)
+    assert lines[0] == "pdv_ext: engine PDVPipelineEngine: 2 stages x 1 data-parallel replica (2 ranks)"
+    assert lines[1].startswith("pdv_ext: aggregator adasum(") and "every stage" in lines[1]
+    assert lines[2] == (f"pdv_ext: placement boundaries [0, 2, 4], rank mapping [[0], [1]] (plan {plan}; solver dp; "
+                        "predicted step 161.6 ms at 4 micro-batches)")
+    assert lines[3] == "pdv_ext: policies schedule(at=3) (agreed every 5 steps; monitor -> runs/x)"
+    assert lines[4] == ("pdv_ext: init search: 16 candidates on 2 ranks in 1.2 s; winner scheme kaiming, scale 0.5, "
+                        "seed 7 (score 2.1, default 2.4)")
+    assert lines[5] == "pdv_ext: faults sign_flip from ranks [1]"
+
+
+def test_aggregators_that_differ_are_named_per_stage_and_native_reduction_said():
+    cfg = load_pdv({})
+    eng = _engine(cfg)
+    facts = [{"stage": 1, "aggregator": "median()", "native_reduce": False},
+             {"stage": 0, "aggregator": "mean()", "native_reduce": False},
+             {"stage": 1, "aggregator": "other()", "native_reduce": False}]  # a stage's first rank speaks for it
+    assert S.startup_lines(eng, facts, cfg)[1] == "pdv_ext: aggregator per stage: stage 0: mean(); stage 1: median()"
+    facts = [{"stage": s, "aggregator": "mean()", "native_reduce": True} for s in (0, 1)]
+    assert "DeepSpeed reduces inside its optimizer" in S.startup_lines(eng, facts, cfg)[1]
+
+
+def test_start_up_plan_and_explicit_placement_sources():
+    cfg = load_pdv({"placement": {"boundaries": [0, 1, 2]}})
+    eng = _engine(cfg, placement={"boundaries": [0, 1, 2], "rank_mapping": [[0], [1]]})
+    line = S.startup_lines(eng, [S.local_facts(eng)] * 2, cfg)[2]
+    assert line.endswith("(explicit boundaries)")
+    eng.module._pdv_plan = {"predicted_step_time": float("nan"), "solver": "dp"}  # NaN: nothing predicted
+    assert S.startup_lines(eng, [S.local_facts(eng)] * 2, cfg)[2].endswith("(explicit boundaries; solver dp)")
+
+
+@pytest.mark.parametrize("level, shown", [("info", True), ("warning", False)])
+def test_deepspeeds_log_level_applies(level, shown):
+    from deepspeed.utils import logger, set_log_level_from_string
+
+    seen = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler, old = Capture(), logger.level
+    logger.addHandler(handler)
+    set_log_level_from_string(level)
+    try:
+        eng = _engine(load_pdv({}))
+        lines = S.log_startup(eng)  # no process group: this process is rank 0 of one
+    finally:
+        logger.removeHandler(handler)
+        set_log_level_from_string(logging.getLevelName(old).lower())
+    assert eng.pdv_startup_summary == lines and len(lines) == 2
+    assert seen == (lines if shown else [])
