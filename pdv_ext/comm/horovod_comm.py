@@ -8,6 +8,12 @@ counter: after an elastic reset a fresh worker and a survivor still agree on the
 
 Horovod has no point-to-point messages: `exchange` is one `alltoall` with per-peer splits over the bytes
 of the tensors (so peers may exchange tensors of mixed dtypes in one call).
+
+Tensors of any layout and precision: Horovod 0.28 refuses non-contiguous tensors ("Tensor is required to
+be contiguous") and bfloat16 in every collective ("Tensor type torch.BFloat16Tensor is not supported"),
+before anything is sent. Here non-contiguous tensors travel as contiguous copies (results copied back),
+bfloat16 is reduced in float32 (rounded once on the way back) and gathered or broadcast bit for bit as
+int16; float16 is Horovod's own.
 """
 from __future__ import annotations
 
@@ -26,10 +32,29 @@ def _hvd():
     return hvd
 
 
+def _flat_view(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """A 1-D, stride-1 view of `t`'s memory, or None when its elements are not one dense run. A tensor of
+    at most one element counts as contiguous whatever its stride (a one-element piece of a matrix column
+    has stride 9 and `view(torch.uint8)` refuses it): it is re-strided here."""
+    if not t.is_contiguous():
+        return None
+    if t.numel() <= 1:
+        return t.as_strided((t.numel(),), (1,))
+    return t.view(-1)
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of `t`'s elements (a copy only when `t` is not contiguous)."""
-    flat = t.contiguous().reshape(-1)
+    """A flat uint8 view of `t`'s elements (a copy only when `t` is not one dense run)."""
+    flat = _flat_view(t)
+    if flat is None:
+        flat = t.contiguous().view(-1)
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
+#: dtypes Horovod 0.28's collectives refuse, and what they travel as: reductions in a wider float (rounded
+#: once on the way back), bit-exact transfers (gather, broadcast) as a same-sized integer view
+_REDUCE_AS = {torch.bfloat16: torch.float32}
+_MOVE_AS = {torch.bfloat16: torch.int16}
 
 
 class HorovodComm(Comm):
@@ -86,7 +111,11 @@ class HorovodComm(Comm):
         hvd_op = self._ops[op]
         if op == "avg" and not tensor.is_floating_point():
             hvd_op = self._ops["sum"]  # Horovod averages floats only; sum then divide, like TorchComm
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        wide = _REDUCE_AS.get(tensor.dtype)
+        if wide is not None:
+            work = tensor.to(wide, memory_format=torch.contiguous_format)
+        else:
+            work = tensor if tensor.is_contiguous() else tensor.contiguous()
         self._hvd.allreduce_(work, op=hvd_op, name=self._name(f"allreduce.{op}", work),
                              process_set=self.process_set)
         if op == "avg" and not tensor.is_floating_point():
@@ -99,15 +128,22 @@ class HorovodComm(Comm):
         if self.size == 1:
             return [tensor.clone()]
         work = tensor.contiguous().unsqueeze(0)
+        moved = _MOVE_AS.get(work.dtype)
+        if moved is not None:
+            work = work.view(moved)
         out = self._hvd.allgather(work, name=self._name("allgather", work, shape=False),
                                   process_set=self.process_set)
+        if moved is not None:
+            out = out.view(tensor.dtype)
         return list(out.unbind(0))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.size == 1:
             return tensor
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        self._hvd.broadcast_(work, root_rank=self.global_rank(src), name=self._name(f"broadcast.{src}", work),
+        moved = _MOVE_AS.get(work.dtype)
+        send = work.view(moved) if moved is not None else work  # shares work's memory: received in place
+        self._hvd.broadcast_(send, root_rank=self.global_rank(src), name=self._name(f"broadcast.{src}", send),
                              process_set=self.process_set)
         if work is not tensor:
             tensor.copy_(work)
@@ -143,8 +179,9 @@ class HorovodComm(Comm):
                 pos = offset
                 for dst in dsts:
                     nb = dst.numel() * dst.element_size()
-                    if dst.is_contiguous():
-                        _bytes(dst).copy_(out[pos:pos + nb])
+                    flat = _flat_view(dst)
+                    if flat is not None:  # straight into place
+                        (flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat).copy_(out[pos:pos + nb])
                     else:
                         dst.copy_(out[pos:pos + nb].clone().view(dst.dtype).view(dst.shape))
                     pos += nb
@@ -163,8 +200,12 @@ class HorovodComm(Comm):
             return [flat.clone()]
         n = torch.tensor([flat.numel()], dtype=torch.int64)
         sizes = self._hvd.allgather(n, name=self._name("allgather.sizes"), process_set=self.process_set).tolist()
-        out = self._hvd.allgather(flat, name=self._name("allgather.var", flat, shape=False),
+        moved = _MOVE_AS.get(flat.dtype)
+        send = flat.view(moved) if moved is not None else flat
+        out = self._hvd.allgather(send, name=self._name("allgather.var", send, shape=False),
                                   process_set=self.process_set)
+        if moved is not None:
+            out = out.view(flat.dtype)
         return list(torch.split(out, [int(s) for s in sizes]))
 
     def __repr__(self) -> str:

@@ -71,11 +71,16 @@ class TorchComm(Comm):
 
     def exchange(self, sends: Dict[int, Message], recvs: Dict[int, Message]) -> None:
         ops = []
+        staged = []  # (caller's non-contiguous destination, contiguous buffer received into)
         # post receives first, then sends, in peer order: deterministic and deadlock-free on gloo; the
         # parts of a list message go as separate messages, matched in order on the other side
         for peer in sorted(recvs):
             if peer != self.rank:
-                ops += [dist.P2POp(dist.irecv, t, self._global[peer], self.group) for t in parts(recvs[peer])]
+                for t in parts(recvs[peer]):
+                    if not t.is_contiguous():  # the backends receive into contiguous memory only
+                        staged.append((t, torch.empty_like(t, memory_format=torch.contiguous_format)))
+                        t = staged[-1][1]
+                    ops.append(dist.P2POp(dist.irecv, t, self._global[peer], self.group))
         for peer in sorted(sends):
             if peer != self.rank:
                 ops += [dist.P2POp(dist.isend, t.contiguous(), self._global[peer], self.group)
@@ -86,12 +91,17 @@ class TorchComm(Comm):
         if ops:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
+        for dst, buf in staged:
+            dst.copy_(buf)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         dist.send(tensor.contiguous(), self._global[dst], group=self.group)
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        dist.recv(tensor, self._global[src], group=self.group)
+        buf = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        dist.recv(buf, self._global[src], group=self.group)
+        if buf is not tensor:
+            tensor.copy_(buf)
         return tensor
 
     def barrier(self) -> None:

@@ -16,6 +16,12 @@ Two reduction paths:
 - *aggregator*: any other aggregator runs at `synchronize()` over all gradients (sorted by parameter name,
   the same order on every rank) through a `HorovodComm`. Grad hooks (the policy Monitor) also force this
   path, since they must see the local gradients before reduction.
+
+Gradients of any layout and precision work on both paths, where Horovod 0.28's own optimizer refuses them
+before sending anything ("Tensor is required to be contiguous", "Tensor type torch.BFloat16Tensor is not
+supported"): a non-contiguous gradient (a transposed or sliced parameter) is reduced as a contiguous copy
+and the result copied back into it; a bfloat16 gradient is reduced in float32 and rounded once on the way
+back (the native path; the aggregators get the same from `HorovodComm`); float16 is Horovod's own.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ from ..aggregation import Aggregator, build_aggregator
 from ..aggregation.faults import FaultInjector, NonFiniteGuard
 from ..aggregation.faults_config import FaultsConfig
 from ..aggregation.mean import Mean
-from ..comm.horovod_comm import HorovodComm, _hvd
+from ..comm.horovod_comm import _REDUCE_AS, HorovodComm, _hvd
 
 __all__ = ["DistributedOptimizer", "PolicyHook", "HorovodApplier", "resolve_aggregation", "register_elastic_handlers"]
 
@@ -174,13 +180,19 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
         name = self._parameter_names[p]
         if p.grad.is_sparse and not self.sparse_as_dense:
             return self._hvd.sparse_allreduce_async(p.grad, name=name, op=self._native_op,
-                                                    process_set=self.process_set), None
+                                                    process_set=self.process_set), None, None
         tensor = p.grad.to_dense() if p.grad.is_sparse else p.grad
         compressed, ctx = self._compression.compress(tensor)
+        # what Horovod refuses travels as a contiguous copy (bfloat16: in float32), copied back at sync
+        wide = _REDUCE_AS.get(compressed.dtype)
+        if wide is not None:
+            work = compressed.to(wide, memory_format=torch.contiguous_format)
+        else:
+            work = compressed if compressed.is_contiguous() else compressed.contiguous()
         op, pre, post = self._native_scale()
-        handle = self._hvd.allreduce_async_(compressed, name=name, op=op, prescale_factor=pre,
+        handle = self._hvd.allreduce_async_(work, name=name, op=op, prescale_factor=pre,
                                             postscale_factor=post, process_set=self.process_set)
-        return handle, ctx
+        return handle, ctx, (compressed if work is not compressed else None)
 
     # ---- synchronize / step ------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -202,8 +214,10 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
         for p in self._ordered:
             if p not in self._handles:
                 self._handles[p] = self._allreduce_async(p)
-        for p, (handle, ctx) in self._handles.items():
+        for p, (handle, ctx, staged) in self._handles.items():
             output = self._hvd.synchronize(handle) if not callable(handle) else handle()
+            if staged is not None:  # reduced as a contiguous (or float32) copy: back into the original
+                output = staged.copy_(output)
             if p.grad.is_sparse:
                 out = self._compression.decompress(output, ctx)
                 p.grad.zero_().add_(out if out.is_sparse else out.to_sparse())
