@@ -22,6 +22,28 @@ def rank_tensors(group_rank: int, seed: int = 0, shapes: Sequence[Sequence[int]]
     return [torch.randn(*s, generator=g) for s in shapes]
 
 
+#: (dtype, scale) of the small and huge gradients compared with Horovod: a squared norm below 1e-8 (the
+#: guard this module once had) where Horovod's sqrt(DBL_MIN) still computes real coefficients
+SCALED = [(torch.float32, 1e-5), (torch.float32, 1e-30), (torch.float32, 1e30), (torch.float16, 1e-4)]
+
+
+def scaled_tensors(group_rank: int, seed: int = 0) -> List[torch.Tensor]:
+    """Per-rank different gradients at tiny and huge magnitudes (float32, float16)."""
+    g = torch.Generator().manual_seed(1000 * seed + group_rank + 77)
+    return [(torch.randn(40, generator=g, dtype=torch.float64) * s).to(dt) for dt, s in SCALED]
+
+
+def strided_views(group_rank: int, seed: int = 0) -> List[torch.Tensor]:
+    """Non-contiguous views (a matrix column, a transposed matrix, every other element, zero-size) and,
+    on odd ranks, a transposed layout of a tensor that is contiguous on even ranks."""
+    g = torch.Generator().manual_seed(1000 * seed + group_rank + 55)
+    mixed = torch.randn(5, 6, generator=g)
+    if group_rank % 2:
+        mixed = mixed.t().contiguous().t()
+    return [torch.randn(33, 9, generator=g)[:, 4], torch.randn(17, 70_000 // 17, generator=g).t(),
+            torch.randn(2 * 301, generator=g)[::2], torch.empty(0, 3), mixed, torch.randn(3, generator=g)]
+
+
 def gloo_adasum(seed: int = 0, groups: Optional[List[List[int]]] = None) -> Dict[str, Any]:
     """Our adasum over the world and over each listed sub-group (new_group is collective on all ranks)."""
     import torch.distributed as dist
@@ -34,6 +56,17 @@ def gloo_adasum(seed: int = 0, groups: Optional[List[List[int]]] = None) -> Dict
     out: Dict[str, Any] = {}
     comm = TorchComm()
     out["world"] = build_aggregator("adasum")(rank_tensors(comm.rank, seed), comm)
+    out["scaled"] = build_aggregator("adasum")(scaled_tensors(comm.rank, seed), comm)
+    # strided views straight into adasum_tensors (at 4 ranks this once failed on some ranks and left the
+    # others waiting): the same results as contiguous copies
+    from pdv_ext.aggregation.adasum import adasum_tensors
+
+    views = strided_views(comm.rank, seed)
+    copies = [v.contiguous().clone() for v in views]
+    adasum_tensors(views, comm)
+    adasum_tensors(copies, comm)
+    out["strided_equal"] = all(torch.equal(v, c) for v, c in zip(views, copies))
+    out["strided"] = copies
     for ranks in groups or []:
         pg = dist.new_group(ranks)
         if dist.get_rank() in ranks:
@@ -64,6 +97,9 @@ def _horovod_main(outdir: str, kwargs: Dict[str, Any]) -> None:
     tensors = rank_tensors(hvd.rank(), kwargs.get("seed", 0))
     handles = [hvd.allreduce_async(t, op=hvd.Adasum, name=f"adasum.{i}") for i, t in enumerate(tensors)]
     result = [hvd.synchronize(h) for h in handles]
+    scaled = scaled_tensors(hvd.rank(), kwargs.get("seed", 0))  # one at a time: fusion keeps dtypes apart anyway
+    result = {"world": result, "scaled": [hvd.allreduce(t, op=hvd.Adasum, name=f"adasum.scaled.{i}")
+                                          for i, t in enumerate(scaled)]}
     with open(os.path.join(outdir, f"result{hvd.rank()}.pkl"), "wb") as f:
         pickle.dump(result, f)
     hvd.barrier()
