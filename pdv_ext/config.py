@@ -171,11 +171,50 @@ def load_pdv(config: Union[None, str, os.PathLike, Dict[str, Any], PDVConfig]) -
     return split_config(config)[1]
 
 
-def check_file(path: str) -> List[str]:
-    """Every error of the `"pdv"` section of a config file (empty when valid)."""
+def topology_errors(section: Any, world_size: int, stages: Optional[int] = None, prefix: str = "pdv",
+                    notes: Optional[List[str]] = None) -> List[str]:
+    """Errors of a valid `"pdv"` dict on `world_size` ranks in `stages` pipeline stages (default: the
+    placement section's `num_stages`, else 1), before launch. Every stage's data-parallel group then has
+    m = world_size / stages ranks; an aggregation option that m cannot support is clamped at run time (one
+    GroupSizeWarning): its line goes to `notes`, not to the errors (docs/aggregation.md, "Small groups")."""
+    section = section if isinstance(section, dict) else {}
+    placement = section.get("placement") if isinstance(section.get("placement"), dict) else {}
+    key, planned = "num_stages", placement.get("num_stages")
+    if planned is None and isinstance(placement.get("boundaries"), list) and len(placement["boundaries"]) >= 2:
+        key, planned = "boundaries", len(placement["boundaries"]) - 1  # layer starts plus the layer count
+    errors: List[str] = []
+    if stages is None:
+        stages = planned if isinstance(planned, int) and planned >= 1 else 1
+    elif isinstance(planned, int) and planned != stages:
+        errors.append(f"{prefix}.placement.{key}: {planned} stages in the config, but --stages {stages}")
+    if world_size < 1:
+        errors.append(f"--world-size: must be at least 1 (got {world_size})")
+    if stages < 1:
+        errors.append(f"--stages: must be at least 1 (got {stages})")
+    elif world_size >= 1 and world_size % stages:
+        errors.append(f"--stages: {world_size} ranks do not split into {stages} pipeline stages of equal "
+                      f"data-parallel width (DeepSpeed gives every stage the same number of ranks)")
+    if errors:
+        return errors
+    from .aggregation.groups import group_notes
+
+    agg = section.get("aggregation", {})
+    clamped, errs = group_notes(agg if isinstance(agg, dict) else {}, world_size // stages)
+    if notes is not None:
+        notes.extend(clamped)
+    return errs
+
+
+def check_file(path: str, world_size: Optional[int] = None, stages: Optional[int] = None,
+               notes: Optional[List[str]] = None) -> List[str]:
+    """Every error of the `"pdv"` section of a config file (empty when valid). With `world_size` (and
+    `stages`), also what that topology makes of it (`topology_errors`; clamped options go to `notes`)."""
     try:
         data = read_file(path)
     except ConfigError as exc:
         return exc.errors
     section, _, errors = find_section(data)
-    return errors + validate_pdv(section)[1]
+    errors = errors + validate_pdv(section)[1]
+    if world_size is not None and not errors:
+        errors += topology_errors(section, world_size, stages, notes=notes)
+    return errors

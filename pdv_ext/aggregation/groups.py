@@ -5,7 +5,7 @@ The same `"pdv"` section must run on every topology where the algorithm is defin
 option needs more ranks than the group has does not fail at its first step: it runs with the option
 clamped to the largest value the group supports, and says so once (a `GroupSizeWarning` naming the key),
 e.g. `pdv.aggregation.b=2 clamped to 0 for a data-parallel group of 2`. At `m = 1` every built-in is the
-identity. Undefined cases (none among the built-ins; a plug-in may have some) are errors that
+identity, silently (there is no other replica to tolerate or talk to). Undefined cases (none among the built-ins; a plug-in may have some) are errors that
 `pdv check-config --world-size N --stages S` reports before launch.
 
 An aggregator takes part by listing its group-dependent options in `group_limits` (option key -> the
@@ -52,8 +52,11 @@ class SmallGroups:
         return key
 
     def clamps(self, size: int) -> List[Tuple[str, int, int, str]]:
-        """(key as written, configured, clamped, why) of every option the group of `size` clamps."""
+        """(key as written, configured, clamped, why) of every option the group of `size` clamps. A group
+        of one is the identity whatever the options: nothing to say."""
         out = []
+        if size <= 1:
+            return out
         for key, (largest, why) in self.group_limits.items():
             want = self.requested(key)
             got = min(want, max(0, int(largest(size))))
@@ -72,7 +75,7 @@ class SmallGroups:
         errors = self.group_errors(group_size)
         if errors:
             raise ConfigError(errors)
-        eff = {key: self.requested(key) for key in self.group_limits}
+        eff = {key: (self.requested(key) if group_size > 1 else 0) for key in self.group_limits}
         for key, want, got, why in self.clamps(group_size):
             eff[next(k for k in self.group_limits if self.option_key(k) == key)] = got
             if self._warned is None:
