@@ -1,6 +1,7 @@
 """`profile_layers` leaves the caller's modules as they were (issue #20 item 4), and the GPU way of timing
 (events in the stream, one synchronize per pass; calibration to the whole pass: issue #20 item 6) checked
-for its logic on CPU. The same on a real GPU: tests/gpu/test_profile_gpu.py."""
+for its logic on CPU - explicitly, whatever the machine has. The same on a real GPU:
+tests/gpu/test_profile_gpu.py."""
 import pytest
 import torch
 from torch import nn
@@ -49,7 +50,7 @@ def test_caller_modules_come_back_as_they_were_after_a_move(monkeypatch):
 
     monkeypatch.setattr(P, "_place", fake_place)
     x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
-    prof = profile_layers(layers, x, reps=2, loss_fn=nn.functional.cross_entropy, labels=y)
+    prof = profile_layers(layers, x, reps=2, loss_fn=nn.functional.cross_entropy, labels=y, device="cpu")
     assert len(prof) == 2 and all(l.fwd_bwd > 0 for l in prof.layers)
     assert len(moved) == 2 and not set(moved[0] + moved[1]) & set(ptrs)  # profiled on the copies
     assert layers[0].modes and all(layers[0].modes)  # profiled in training mode...
@@ -72,7 +73,7 @@ def test_caller_modules_on_the_profiling_device_keep_values_grads_and_buffers():
     params[0].grad = torch.ones_like(params[0])
     g0 = params[0].grad
     before = _state(layers)
-    profile_layers(layers, torch.randn(16, 8), reps=2)
+    profile_layers(layers, torch.randn(16, 8), reps=2, device="cpu")
     after = _state(layers)
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert params[0].grad is g0 and all(p.grad is None for p in params[1:])
@@ -128,7 +129,7 @@ def test_pass_timing_on_cpu_gives_the_same_sizes_and_sane_times():
     torch.manual_seed(0)
     layers = [nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4)]
     x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
-    kw = dict(reps=2, loss_fn=nn.functional.cross_entropy, labels=y)
+    kw = dict(reps=2, loss_fn=nn.functional.cross_entropy, labels=y, device="cpu")
     by_layer = profile_layers(layers, x, **kw)
     by_pass = profile_layers(layers, x, timing="pass", **kw)
     assert by_layer.meta["timing"].startswith("host clock") and by_pass.meta["timing"].startswith("events")
@@ -138,7 +139,7 @@ def test_pass_timing_on_cpu_gives_the_same_sizes_and_sane_times():
         assert (b.update > 0) == (a.param_bytes > 0)
     assert "whole_pass_seconds" not in by_layer.meta and "fwd_bwd_scale" not in by_layer.meta  # CPU: as timed
     with pytest.raises(ValueError, match="timing"):
-        profile_layers(layers, x, timing="fast")
+        profile_layers(layers, x, timing="fast", device="cpu")
 
 
 def test_calibrated_to_the_whole_pass():
@@ -146,7 +147,8 @@ def test_calibrated_to_the_whole_pass():
     torch.manual_seed(0)
     layers = [nn.Linear(8, 64), nn.Linear(64, 4)]
     x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
-    prof = profile_layers(layers, x, reps=2, loss_fn=nn.functional.cross_entropy, labels=y, calibrate=True)
+    prof = profile_layers(layers, x, reps=2, loss_fn=nn.functional.cross_entropy, labels=y, calibrate=True,
+                          device="cpu")
     whole = prof.meta["whole_pass_seconds"]
     assert whole > 0 and prof.meta["layer_sum_seconds"] > 0
     assert sum(l.fwd_bwd for l in prof.layers) == pytest.approx(whole)
