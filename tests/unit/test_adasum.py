@@ -296,3 +296,16 @@ def test_bad_inputs_rejected_before_any_communication():
     with pytest.raises(ValueError, match="sizes"):
         adasum_flat(torch.zeros(5), [2, 2], run_threads.__globals__["ThreadComm"](run_threads.__globals__["_Hub"](2), 0))
     check_tensors([torch.ones(3, 1).expand(3, 1), torch.empty(0, 3)[:, ::2]])  # no real overlap: accepted
+
+
+def test_layout_plans_are_cached_per_layout():
+    """The segments and their index tensors are built once per layout, not on every call (#20 item 2)."""
+    from pdv_ext.aggregation.adasum import _plan
+
+    shapes = [(5,), (300, 300), (7, 3), (1,), (70_001,)]
+    per_rank = rand_grads(3, seed=61, shapes=shapes)
+    run(per_rank, 3)
+    misses = _plan.cache_info().misses
+    hits = _plan.cache_info().hits
+    run(per_rank, 3)
+    assert _plan.cache_info().misses == misses and _plan.cache_info().hits > hits

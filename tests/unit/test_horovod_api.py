@@ -55,3 +55,23 @@ def test_comm_needs_init():
 def test_layer_sizes_total():
     sizes = layer_sizes(64)
     assert sum(sizes) * 4 == 64 * 2 ** 20 and min(sizes) > 0
+
+
+def test_comm_byte_views_of_any_layout():
+    """HorovodComm moves bytes: a one-element piece of a matrix column counts as contiguous but has a
+    stride other than 1 (view(torch.uint8) refused it at 4 ranks); it is viewed in place now, and a
+    non-contiguous tensor is copied."""
+    import torch
+
+    from pdv_ext.comm.horovod_comm import _bytes, _flat_view
+
+    col = torch.arange(12.0).reshape(4, 3)[:, 1]
+    piece = col[2:3]
+    assert piece.is_contiguous() and piece.stride() == (3,)
+    v = _flat_view(piece)
+    assert v is not None and v.data_ptr() == piece.data_ptr()
+    v.view(torch.uint8).copy_(torch.tensor([99.0]).view(torch.uint8))
+    assert col.tolist() == [1.0, 4.0, 99.0, 10.0]
+    assert _flat_view(col) is None and torch.equal(_bytes(col).view(torch.float32), col)
+    assert _bytes(torch.empty(0, 3)).numel() == 0
+    assert torch.equal(_bytes(torch.ones(2, dtype=torch.bfloat16)).view(torch.bfloat16), torch.ones(2, dtype=torch.bfloat16))
