@@ -1,25 +1,10 @@
-"""Fused CPU ops for the aggregators, with pure-torch fallbacks that give identical results.
+"""The fused CPU kernels: loading the C++ extension (`kernels/pdv_kernels.cpp`, JIT-built) and calling it.
 
-The C++ sources live in `kernels/` at the top of the repository and are JIT-built (cached under
+The sources live in `kernels/` at the top of the repository and are JIT-built (cached under
 TORCH_EXTENSIONS_DIR, default `<repo>/build/torch_extensions`) on first use, under a file lock so that
-concurrent ranks build once. When no compiler works, the sources are missing, or PDV_KERNELS=torch, the
-fallbacks run (one warning). CUDA tensors and dtypes other than float32/float64 always take the fallback.
-Every public function here has the same contract whichever implementation answers (docs/kernels.md).
-
-API (stable; aggregators call only these):
-- `adasum_dots(a, b) -> (a·b, |a|², |b|²)` per tensor pair, accumulated in float64 (three float64 tensors of len(a))
-- `adasum_combine(a, b, ca, cb, out=None) -> list`: out_i = ca_i * a_i + cb_i * b_i (computed in float64,
-  rounded once to the dtype); with `out` (which may alias `a` or `b`) the results are written there
-- `topk_error_feedback(update, residual, k) -> (indices, values)`: selects the k largest |update + residual|
-  entries of a flat tensor, returns them and leaves residual = (update + residual) with those entries zeroed.
-  Indices are int64 in ascending order; NaN ranks above +inf; ties at the k-th value go to the lower index.
-- `coordinate_median(stack) -> tensor`: median over dim 0 of an (m, n) tensor (mean of the two middle values
-  for even m); NaN sorts above +inf (as torch.sort), so NaNs from fewer than half the rows never win
-- `trimmed_mean(stack, trim) -> tensor`: mean over dim 0 after dropping the `trim` largest and smallest per
-  coordinate (same order as the median; the kept values are summed in ascending order in float64)
-
-Identity of results: everything except the two float64 sums of `adasum_dots` is bit-identical between the
-kernel and the fallback; those sums agree to float64 rounding (the summation order of BLAS is not ours).
+concurrent ranks build once. When no compiler works, the sources are missing, or PDV_KERNELS=torch, `backend()`
+says "torch" and `pdv_ext.kernels` uses the reference (one warning). The call wrappers at the end take what
+`pdv_ext.kernels` hands them: CPU tensors of one dtype, float32 or float64, a non-empty list.
 """
 from __future__ import annotations
 
@@ -33,89 +18,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # a checkout / editable install has kernels/ beside the package; a wheel installs it under share/pdv_ext
 SOURCE = next((p for p in (os.path.join(_ROOT, "kernels", "pdv_kernels.cpp"),
                            os.path.join(sys.prefix, "share", "pdv_ext", "kernels", "pdv_kernels.cpp"))
                if os.path.exists(p)), os.path.join(_ROOT, "kernels", "pdv_kernels.cpp"))
 _FAST_DTYPES = (torch.float32, torch.float64)
-
-
-# ---- pure-torch reference implementations --------------------------------------------------------
-def adasum_dots_torch(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    n = len(a)
-    dot = torch.zeros(n, dtype=torch.float64)
-    na = torch.zeros(n, dtype=torch.float64)
-    nb = torch.zeros(n, dtype=torch.float64)
-    for i, (x, y) in enumerate(zip(a, b)):
-        x64, y64 = x.reshape(-1).double(), y.reshape(-1).double()
-        dot[i] = torch.dot(x64, y64)
-        na[i] = torch.dot(x64, x64)
-        nb[i] = torch.dot(y64, y64)
-    return dot, na, nb
-
-
-def adasum_combine_torch(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ca: torch.Tensor,
-                         cb: torch.Tensor, out: Optional[Sequence[torch.Tensor]] = None) -> List[torch.Tensor]:
-    cas, cbs = ca.tolist(), cb.tolist()
-    res = []
-    for i, (x, y) in enumerate(zip(a, b)):
-        val = (x.double() * cas[i] + y.double() * cbs[i]).to(x.dtype)
-        if out is not None:
-            out[i].copy_(val.view_as(out[i]))
-            val = out[i]
-        res.append(val)
-    return res
-
-
-def _abs_key(acc: torch.Tensor) -> torch.Tensor:
-    """|acc| as integers that order like |acc|, every NaN mapped to the canonical NaN (above +inf)."""
-    if acc.dtype == torch.float64:
-        key = acc.abs().view(torch.int64)
-        nan = 0x7FF8000000000000
-    else:
-        key = acc.abs().float().view(torch.int32)
-        nan = 0x7FC00000
-    return key.masked_fill(torch.isnan(acc), nan)
-
-
-def topk_error_feedback_torch(update: torch.Tensor, residual: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    acc = update.reshape(-1) + residual.reshape(-1)
-    n = acc.numel()
-    k = max(0, min(int(k), n))
-    if k == 0:
-        idx = torch.empty(0, dtype=torch.long, device=acc.device)
-    elif k == n:
-        idx = torch.arange(n, device=acc.device)
-    else:
-        key = _abs_key(acc)
-        thr = torch.topk(key, k, sorted=False).values.min()
-        above = (key > thr).nonzero().squeeze(1)
-        ties = (key == thr).nonzero().squeeze(1)[: k - above.numel()]
-        idx = torch.cat([above, ties]).sort().values
-    vals = acc[idx].clone()
-    acc[idx] = 0
-    residual.copy_(acc.view(residual.shape))
-    return idx, vals
-
-
-def coordinate_median_torch(stack: torch.Tensor) -> torch.Tensor:
-    s = stack.sort(dim=0).values
-    m = s.shape[0]
-    if m % 2:
-        return s[m // 2].clone()
-    return (s[m // 2 - 1] + s[m // 2]) / 2
-
-
-def trimmed_mean_torch(stack: torch.Tensor, trim: int) -> torch.Tensor:
-    m = stack.shape[0]
-    if not 0 <= 2 * trim < m:
-        raise ValueError(f"trim={trim} leaves nothing of {m} vectors")
-    s = stack.sort(dim=0).values
-    acc = s[trim].double()
-    for i in range(trim + 1, m - trim):
-        acc += s[i].double()
-    return (acc / (m - 2 * trim)).to(stack.dtype)
 
 
 # ---- loading the C++ extension --------------------------------------------------------------------
@@ -286,84 +194,57 @@ def _module():
         return _state["module"]
 
 
-def _fast(*tensors: torch.Tensor) -> bool:
-    for t in tensors:
-        if t.device.type != "cpu" or t.dtype not in _FAST_DTYPES:
-            return False
-    return _module() is not None
+def supports(tensors: Sequence[torch.Tensor]) -> bool:
+    """CPU tensors of one dtype, float32 or float64, and the extension loaded (built on first ask)."""
+    dt = tensors[0].dtype if len(tensors) else None
+    return (dt in _FAST_DTYPES and all(t.device.type == "cpu" and t.dtype == dt for t in tensors)
+            and _module() is not None)
 
 
-# ---- dispatch -------------------------------------------------------------------------------------
+# ---- calls (contiguous inputs; `pdv_ext.kernels` copies strided ones and writes strided outputs back) ----
 def _code(t: torch.Tensor) -> int:
     return 0 if t.dtype == torch.float32 else 1
 
 
 def adasum_dots(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if (len(a) and len(a) == len(b) and _fast(*a, *b) and all(x.dtype == a[0].dtype for x in (*a, *b))
-            and all(x.numel() == y.numel() for x, y in zip(a, b))):
-        a = [x.contiguous() for x in a]
-        b = [y.contiguous() for y in b]
-        out = torch.empty(3, len(a), dtype=torch.float64)
-        sizes = _sizes(a)  # (kept alive across the call)
-        _check(_module().pdv_adasum_dots(_code(a[0]), len(a), _ptrs(a), _ptrs(b), sizes.data_ptr(),
-                                         out.data_ptr(), torch.get_num_threads()), "adasum_dots")
-        return out[0], out[1], out[2]
-    return adasum_dots_torch(a, b)
+    out = torch.empty(3, len(a), dtype=torch.float64)
+    sizes = _sizes(a)  # (kept alive across the call)
+    _check(_module().pdv_adasum_dots(_code(a[0]), len(a), _ptrs(a), _ptrs(b), sizes.data_ptr(),
+                                     out.data_ptr(), torch.get_num_threads()), "adasum_dots")
+    return out[0], out[1], out[2]
 
 
 def adasum_combine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ca: torch.Tensor, cb: torch.Tensor,
-                   out: Optional[Sequence[torch.Tensor]] = None) -> List[torch.Tensor]:
-    outs = list(out) if out is not None else None
-    if (len(a) and len(a) == len(b) and _fast(*a, *b, *(outs or []))
-            and all(x.dtype == a[0].dtype for x in (*a, *b, *(outs or [])))
-            and all(x.is_contiguous() for x in (outs or []))
-            and all(x.numel() == y.numel() for x, y in zip(a, b))):
-        a = [x.contiguous() for x in a]
-        b = [y.contiguous() for y in b]
-        if outs is None:
-            outs = [torch.empty_like(x) for x in a]
-        ca64 = ca.to(torch.float64).contiguous()
-        cb64 = cb.to(torch.float64).contiguous()
-        sizes = _sizes(a)
-        _check(_module().pdv_adasum_combine(_code(a[0]), len(a), _ptrs(a), _ptrs(b), _ptrs(outs),
-                                            sizes.data_ptr(), ca64.data_ptr(), cb64.data_ptr(),
-                                            torch.get_num_threads()), "adasum_combine")
-        return outs
-    return adasum_combine_torch(a, b, ca, cb, out)
+                   outs: Sequence[torch.Tensor]) -> None:
+    ca64 = ca.to(device="cpu", dtype=torch.float64).contiguous()
+    cb64 = cb.to(device="cpu", dtype=torch.float64).contiguous()
+    sizes = _sizes(a)
+    _check(_module().pdv_adasum_combine(_code(a[0]), len(a), _ptrs(a), _ptrs(b), _ptrs(outs),
+                                        sizes.data_ptr(), ca64.data_ptr(), cb64.data_ptr(),
+                                        torch.get_num_threads()), "adasum_combine")
 
 
 def topk_error_feedback(update: torch.Tensor, residual: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    if (_fast(update, residual) and update.dtype == residual.dtype and residual.is_contiguous()
-            and update.numel() == residual.numel()):
-        update = update.contiguous()
-        n = update.numel()
-        k = max(0, min(int(k), n))
-        idx = torch.empty(k, dtype=torch.int64)
-        vals = torch.empty(k, dtype=update.dtype)
-        _check(_module().pdv_topk_error_feedback(_code(update), update.data_ptr(), residual.data_ptr(), n, k,
-                                                 idx.data_ptr(), vals.data_ptr()), "topk_error_feedback")
-        return idx, vals
-    return topk_error_feedback_torch(update, residual, k)
+    """`residual` must be contiguous (it is updated in place)."""
+    idx = torch.empty(k, dtype=torch.int64)
+    vals = torch.empty(k, dtype=update.dtype)
+    _check(_module().pdv_topk_error_feedback(_code(update), update.data_ptr(), residual.data_ptr(),
+                                             update.numel(), k, idx.data_ptr(), vals.data_ptr()),
+           "topk_error_feedback")
+    return idx, vals
 
 
-def coordinate_median(stack: torch.Tensor) -> torch.Tensor:
-    if stack.dim() >= 2 and stack.shape[0] >= 1 and _fast(stack):
-        flat = stack.reshape(stack.shape[0], -1).contiguous()
-        out = torch.empty(flat.shape[1], dtype=flat.dtype)
-        _check(_module().pdv_coordinate_median(_code(flat), flat.data_ptr(), flat.shape[0], flat.shape[1],
-                                               out.data_ptr(), torch.get_num_threads()), "coordinate_median")
-        return out.view(stack.shape[1:])
-    return coordinate_median_torch(stack)
+def coordinate_median(flat: torch.Tensor) -> torch.Tensor:
+    """Of a contiguous (m, n) stack."""
+    out = torch.empty(flat.shape[1], dtype=flat.dtype)
+    _check(_module().pdv_coordinate_median(_code(flat), flat.data_ptr(), flat.shape[0], flat.shape[1],
+                                           out.data_ptr(), torch.get_num_threads()), "coordinate_median")
+    return out
 
 
-def trimmed_mean(stack: torch.Tensor, trim: int) -> torch.Tensor:
-    m = stack.shape[0] if stack.dim() else 0
-    if not 0 <= 2 * int(trim) < m:
-        raise ValueError(f"trim={trim} leaves nothing of {m} vectors")
-    if stack.dim() >= 2 and _fast(stack):
-        flat = stack.reshape(m, -1).contiguous()
-        out = torch.empty(flat.shape[1], dtype=flat.dtype)
-        _check(_module().pdv_trimmed_mean(_code(flat), flat.data_ptr(), m, flat.shape[1], int(trim),
-                                          out.data_ptr(), torch.get_num_threads()), "trimmed_mean")
-        return out.view(stack.shape[1:])
-    return trimmed_mean_torch(stack, trim)
+def trimmed_mean(flat: torch.Tensor, trim: int) -> torch.Tensor:
+    """Of a contiguous (m, n) stack."""
+    out = torch.empty(flat.shape[1], dtype=flat.dtype)
+    _check(_module().pdv_trimmed_mean(_code(flat), flat.data_ptr(), flat.shape[0], flat.shape[1], trim,
+                                      out.data_ptr(), torch.get_num_threads()), "trimmed_mean")
+    return out

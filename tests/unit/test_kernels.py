@@ -143,7 +143,7 @@ def test_dots_independent_of_thread_count(cpp):
 
 
 def test_fallback_selected_by_env(monkeypatch):
-    monkeypatch.setattr(K, "_state", {"tried": False, "module": None, "reason": ""})
+    monkeypatch.setattr(K.cpu, "_state", {"tried": False, "module": None, "reason": ""})
     monkeypatch.setenv("PDV_KERNELS", "torch")
     assert K.backend() == "torch"
     s = torch.randn(3, 10)
@@ -159,11 +159,11 @@ def test_dots_same_bits_portable_and_native_build(cpp, monkeypatch, tmp_path):
     b = [torch.randn(n, generator=g) for n in (0, 5, 8, 9, 40000, 100003)]
     a64, b64 = [x.double() for x in a], [y.double() for y in b]
     native = cpp.adasum_dots(a, b), cpp.adasum_dots(a64, b64)
-    monkeypatch.setattr(K, "_state", {"tried": False, "module": None, "reason": ""})
+    monkeypatch.setattr(K.cpu, "_state", {"tried": False, "module": None, "reason": ""})
     monkeypatch.setenv("PDV_KERNELS_NATIVE", "0")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     if K.backend() != "cpp":
-        pytest.skip(f"portable build failed: {K._state['reason']}")
+        pytest.skip(f"portable build failed: {K.cpu._state['reason']}")
     portable = K.adasum_dots(a, b), K.adasum_dots(a64, b64)
     for n3, p3 in zip(native, portable):
         for x, y in zip(n3, p3):

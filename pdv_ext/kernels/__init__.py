@@ -1,0 +1,213 @@
+"""The aggregators' local math: one API, an implementation per device behind it (docs/kernels.md).
+
+Which implementation answers is decided per call by the tensors:
+- CPU float32/float64 (one dtype per call): fused C++ kernels (`cpu`, `kernels/pdv_kernels.cpp`, JIT-built on
+  first use);
+- CUDA float32/float16/bfloat16/float64 (one dtype per call): Triton kernels (`triton_gpu`), one launch or a
+  few per call over the whole tensor list and no host synchronisation;
+- anything else (other devices or dtypes, mixed dtypes in one list, no compiler, no Triton): the torch
+  reference (`reference`), which is also sync-free and keeps results on the inputs' device.
+PDV_KERNELS=torch forces the reference everywhere; PDV_KERNELS=triton sends every supported dtype to Triton
+whatever the device (with TRITON_INTERPRET=1 that runs the GPU kernels on CPU tensors: the tests).
+
+API (stable; aggregators call only these):
+- `adasum_dots(a, b) -> (a·b, |a|², |b|²)` per tensor pair, products and sums in float64: three float64
+  tensors of len(a), on the inputs' device
+- `adasum_combine(a, b, ca, cb, out=None) -> list`: out_i = ca_i * a_i + cb_i * b_i (computed in float64,
+  rounded to the dtype); `ca`/`cb` are float64 tensors of len(a) on any device (read without a host round
+  trip); with `out` (which may be `a` or `b`) the results are written there and `out` is returned
+- `topk_error_feedback(update, residual, k) -> (indices, values)`: selects the k largest |update + residual|
+  entries (flattened), returns them and leaves residual = (update + residual) with those entries zeroed.
+  Indices are int64 in ascending order; NaN ranks above +inf; ties at the k-th value go to the lower index.
+- `coordinate_median(stack) -> tensor`: median over dim 0 of an (m, ...) tensor (mean of the two middle
+  values for even m, in the dtype); NaN sorts above +inf (as torch.sort), so NaNs from fewer than half the
+  rows never win
+- `trimmed_mean(stack, trim) -> tensor`: mean over dim 0 after dropping the `trim` largest and smallest per
+  coordinate (same order as the median; the kept values are summed in ascending order in float64)
+
+Every function takes any layout (strided views, zero-size tensors, a mix; results equal those of contiguous
+copies, and a strided `out` is written into) and empty lists; mismatched lengths, sizes, dtypes or devices
+raise ValueError naming the argument.
+
+Identity of results: every implementation gives the reference's bits, except the float64 sums of
+`adasum_dots` (summation order; they agree to float64 rounding) and the sign of a zero median / mean.
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from . import cpu, reference
+from .cpu import (SOURCE, STALE_BATON_SECONDS, _state, clear_stale_batons, extensions_dir,  # noqa: F401
+                  prebuild_jit_ops)
+from .reference import abs_key as _abs_key  # noqa: F401
+from .reference import adasum_combine as adasum_combine_torch
+from .reference import adasum_dots as adasum_dots_torch
+from .reference import coordinate_median as coordinate_median_torch
+from .reference import topk_error_feedback as topk_error_feedback_torch
+from .reference import trimmed_mean as trimmed_mean_torch
+
+__all__ = ["adasum_dots", "adasum_combine", "topk_error_feedback", "coordinate_median", "trimmed_mean",
+           "backend", "prebuild_jit_ops", "adasum_dots_torch", "adasum_combine_torch",
+           "topk_error_feedback_torch", "coordinate_median_torch", "trimmed_mean_torch"]
+
+_TRITON_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_triton_state = {"tried": False, "module": None, "reason": ""}
+
+
+def _triton():
+    """The Triton module, imported on the first CUDA call (a CPU-only run never pays for the import)."""
+    if not _triton_state["tried"]:
+        try:
+            from . import triton_gpu
+            _triton_state["module"] = triton_gpu
+        except Exception as e:  # no triton: the reference answers (also sync-free)
+            _triton_state["reason"] = cpu._first_line(e)
+        _triton_state["tried"] = True
+    return _triton_state["module"]
+
+
+def backend(device="cpu") -> str:
+    """Which implementation answers float32 tensors on `device`: 'cpp', 'triton' or 'torch'."""
+    dev = torch.device(device)
+    mode = os.environ.get("PDV_KERNELS", "").lower()
+    if mode == "torch":
+        return "torch"
+    if dev.type == "cuda" or mode == "triton":
+        return "triton" if _triton() is not None else "torch"
+    return cpu.backend() if dev.type == "cpu" else "torch"
+
+
+def _impl(tensors: Sequence[torch.Tensor]):
+    """The implementation module for one call (`tensors` non-empty, on one device)."""
+    mode = os.environ.get("PDV_KERNELS", "").lower()
+    if mode == "torch":
+        return reference
+    dev, dt = tensors[0].device, tensors[0].dtype
+    if (dev.type == "cuda" or mode == "triton") and dt in _TRITON_DTYPES and all(t.dtype == dt for t in tensors):
+        return _triton() or reference
+    if dev.type == "cpu" and cpu.supports(tensors):
+        return cpu
+    return reference
+
+
+# ---- argument checks ---------------------------------------------------------------------------------
+def _list(name: str, ts) -> List[torch.Tensor]:
+    ts = list(ts)
+    for i, t in enumerate(ts):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}[{i}]: expected a tensor, got {type(t).__name__}")
+    return ts
+
+
+def _like(name: str, ts: Sequence[torch.Tensor], ref_name: str, ref: Sequence[torch.Tensor]) -> None:
+    """`ts` pairs with `ref` tensor by tensor: same count, sizes, dtypes, device."""
+    if len(ts) != len(ref):
+        raise ValueError(f"{name}: {len(ts)} tensors, {ref_name} has {len(ref)}")
+    for i, (t, r) in enumerate(zip(ts, ref)):
+        if t.numel() != r.numel():
+            raise ValueError(f"{name}[{i}]: {t.numel()} elements, {ref_name}[{i}] has {r.numel()}")
+        if t.dtype != r.dtype:
+            raise ValueError(f"{name}[{i}]: dtype {t.dtype}, {ref_name}[{i}] is {r.dtype}")
+        if t.device != ref[0].device:
+            raise ValueError(f"{name}[{i}]: on {t.device}, {ref_name}[0] is on {ref[0].device}")
+
+
+def _coefficients(name: str, c, n: int) -> torch.Tensor:
+    c = c if isinstance(c, torch.Tensor) else torch.as_tensor(c, dtype=torch.float64)
+    if c.numel() != n:
+        raise ValueError(f"{name}: {c.numel()} coefficients for {n} tensors")
+    return c.reshape(-1)
+
+
+def _dense(ts: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    return [t if t.is_contiguous() else t.contiguous() for t in ts]
+
+
+# ---- the API ------------------------------------------------------------------------------------------
+def adasum_dots(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    a, b = _list("a", a), _list("b", b)
+    _like("a", a, "a", a)
+    _like("b", b, "a", a)
+    if not a:
+        return reference.adasum_dots(a, b)
+    return _impl(a).adasum_dots(_dense(a), _dense(b))
+
+
+def adasum_combine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ca: torch.Tensor, cb: torch.Tensor,
+                   out: Optional[Sequence[torch.Tensor]] = None) -> List[torch.Tensor]:
+    a, b = _list("a", a), _list("b", b)
+    _like("a", a, "a", a)
+    _like("b", b, "a", a)
+    outs = None if out is None else _list("out", out)
+    if outs is not None:
+        _like("out", outs, "a", a)
+    ca, cb = _coefficients("ca", ca, len(a)), _coefficients("cb", cb, len(a))
+    if not a:
+        return outs if outs is not None else []
+    impl = _impl(a)
+    if impl is reference:
+        return reference.adasum_combine(a, b, ca, cb, outs)
+    if outs is None:
+        outs = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in a]
+    dense = _dense(outs)  # a strided out: computed into a dense copy, written back below
+    impl.adasum_combine(_dense(a), _dense(b), ca, cb, dense)
+    for o, d in zip(outs, dense):
+        if d is not o:
+            o.copy_(d)
+    return outs
+
+
+def topk_error_feedback(update: torch.Tensor, residual: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    _like("residual", _list("residual", [residual]), "update", _list("update", [update]))
+    n = update.numel()
+    k = max(0, min(int(k), n))
+    impl = _impl([update])
+    if impl is reference or k in (0, n):  # nothing to select: the reference's few ops are the whole work
+        return reference.topk_error_feedback(update, residual, k)
+    flat = residual.view(-1) if residual.is_contiguous() else residual.reshape(-1).clone()
+    idx, vals = impl.topk_error_feedback(update.reshape(-1).contiguous(), flat, k)
+    if not residual.is_contiguous():
+        residual.copy_(flat.view(residual.shape))
+    return idx, vals
+
+
+def _stack(stack: torch.Tensor) -> torch.Tensor:
+    if not isinstance(stack, torch.Tensor) or stack.dim() < 1 or stack.shape[0] < 1:
+        raise ValueError("stack: expected a tensor of shape (m, ...) with m >= 1 rows, got "
+                         f"{tuple(stack.shape) if isinstance(stack, torch.Tensor) else type(stack).__name__}")
+    return stack
+
+
+def _rows(stack: torch.Tensor, impl) -> torch.Tensor:
+    """(m, n) view of the stack as the implementation reads it: C++ dense, Triton unit column stride."""
+    flat = stack.reshape(stack.shape[0], -1)
+    if impl is cpu or (flat.shape[1] > 1 and flat.stride(1) != 1):
+        flat = flat.contiguous()
+    return flat
+
+
+def _sorted_impl(stack: torch.Tensor):
+    impl = _impl([stack])
+    if impl is not reference and impl is not cpu and stack.shape[0] > impl.MAX_ROWS:
+        return reference
+    return impl
+
+
+def coordinate_median(stack: torch.Tensor) -> torch.Tensor:
+    impl = _sorted_impl(_stack(stack))
+    if impl is reference:
+        return reference.coordinate_median(stack)
+    return impl.coordinate_median(_rows(stack, impl)).view(stack.shape[1:])
+
+
+def trimmed_mean(stack: torch.Tensor, trim: int) -> torch.Tensor:
+    m = _stack(stack).shape[0]
+    if not 0 <= 2 * int(trim) < m:
+        raise ValueError(f"trim={trim} leaves nothing of {m} vectors")
+    impl = _sorted_impl(stack)
+    if impl is reference:
+        return reference.trimmed_mean(stack, int(trim))
+    return impl.trimmed_mean(_rows(stack, impl), int(trim)).view(stack.shape[1:])

@@ -1,0 +1,113 @@
+"""The torch reference of every kernel op: the definition the C++ and Triton kernels are tested against,
+and the implementation for devices and dtypes neither covers.
+
+Device-friendly: results stay on the inputs' device and nothing reads a device value back to the host
+(no `.item()`, `.tolist()`, Python-scalar writes or data-dependent shapes), so on a GPU without Triton a
+call is a queue of kernel launches, not a host synchronisation per tensor. Arguments are assumed checked
+(`pdv_ext.kernels` validates them); any layout works, since every op reads through reshape/copy_.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+F64 = torch.float64
+
+
+def _device(tensors: Sequence[torch.Tensor]) -> torch.device:
+    return tensors[0].device if len(tensors) else torch.device("cpu")
+
+
+def adasum_dots(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a_i·b_i, |a_i|², |b_i|²) per pair, float64 products and sums, three float64 tensors on the device."""
+    if not len(a):
+        z = torch.zeros(0, dtype=F64, device=_device(a))
+        return z, z.clone(), z.clone()
+    rows = []
+    for x, y in zip(a, b):
+        x64, y64 = x.reshape(-1).to(F64), y.reshape(-1).to(F64)
+        rows.append(torch.stack((torch.dot(x64, y64), torch.dot(x64, x64), torch.dot(y64, y64))))
+    out = torch.stack(rows, dim=1)
+    return out[0], out[1], out[2]
+
+
+def adasum_combine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ca: torch.Tensor, cb: torch.Tensor,
+                   out: Optional[Sequence[torch.Tensor]] = None) -> List[torch.Tensor]:
+    """out_i = ca_i a_i + cb_i b_i in float64, rounded once to the dtype; the coefficients stay tensors
+    (moved to the device without a host round trip)."""
+    if not len(a):
+        return list(out) if out is not None else []
+    ca64 = ca.to(device=_device(a), dtype=F64, non_blocking=True)
+    cb64 = cb.to(device=_device(a), dtype=F64, non_blocking=True)
+    res = []
+    for i, (x, y) in enumerate(zip(a, b)):
+        val = (x.to(F64) * ca64[i] + y.to(F64).reshape(x.shape) * cb64[i]).to(x.dtype)
+        if out is not None:
+            out[i].copy_(val.reshape(out[i].shape))
+            val = out[i]
+        res.append(val)
+    return res
+
+
+def abs_key(acc: torch.Tensor) -> torch.Tensor:
+    """|acc| as integers that order like |acc|, every NaN mapped to the canonical NaN (above +inf)."""
+    if acc.dtype == torch.float64:
+        key = acc.abs().view(torch.int64)
+        nan = 0x7FF8000000000000
+    else:
+        key = acc.abs().float().view(torch.int32)
+        nan = 0x7FC00000
+    return key.masked_fill(torch.isnan(acc), nan)
+
+
+def compact(take: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending indices of the True entries of `take`, known to number exactly k, without the host sync
+    of nonzero(): each taken entry is scattered to its rank among the taken; the rest go to a spare slot."""
+    pos = torch.where(take, take.cumsum(0) - 1, k)
+    idx = torch.empty(k + 1, dtype=torch.int64, device=take.device)
+    idx.scatter_(0, pos, torch.arange(take.numel(), device=take.device))
+    return idx[:k]
+
+
+def topk_error_feedback(update: torch.Tensor, residual: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The k largest |update + residual| (ascending int64 indices, NaN above +inf, ties to the lower index),
+    zeroed in residual, which keeps the rest. Threshold by torch.topk; the ties at the threshold are taken
+    in index order by a running count - all on the device."""
+    acc = update.reshape(-1) + residual.reshape(-1)
+    n = acc.numel()
+    k = max(0, min(int(k), n))
+    if k == 0:
+        idx = torch.empty(0, dtype=torch.int64, device=acc.device)
+    elif k == n:
+        idx = torch.arange(n, device=acc.device)
+    else:
+        key = abs_key(acc)
+        thr = torch.topk(key, k, sorted=False).values.min()
+        above, tie = key > thr, key == thr
+        take = above | (tie & (tie.cumsum(0) <= k - above.sum()))
+        idx = compact(take, k)
+    vals = acc[idx]
+    acc[idx] = 0
+    residual.copy_(acc.view(residual.shape))
+    return idx, vals
+
+
+def coordinate_median(stack: torch.Tensor) -> torch.Tensor:
+    """Median over dim 0 (mean of the two middle values for even m, in the dtype); NaN sorts above +inf."""
+    s = stack.sort(dim=0).values
+    m = s.shape[0]
+    if m % 2:
+        return s[m // 2].clone()
+    return (s[m // 2 - 1] + s[m // 2]) / 2
+
+
+def trimmed_mean(stack: torch.Tensor, trim: int) -> torch.Tensor:
+    """Mean over dim 0 without the `trim` largest and smallest per coordinate: the kept values summed in
+    ascending order in float64, divided, rounded once."""
+    m = stack.shape[0]
+    s = stack.sort(dim=0).values
+    acc = s[trim].to(F64)
+    for i in range(trim + 1, m - trim):
+        acc += s[i].to(F64)
+    return (acc / (m - 2 * trim)).to(stack.dtype)

@@ -1,0 +1,300 @@
+"""Triton kernels of the kernel API, for CUDA tensors (and, under TRITON_INTERPRET=1, CPU tensors: the tests).
+
+One launch (or a few) per call over the whole tensor list, and no host synchronisation at all:
+- a list op sees its tensors as segments: a device table of their data pointers (int64, cast back with
+  `tl.pointer_type` in the kernel, as Triton's grouped-GEMM tutorial does) and, per program, the segment it
+  works on and where in it it starts. Those block tables depend only on the sizes and are cached; the
+  pointer table is a few bytes copied host-to-device without waiting (pinned, non_blocking) each call.
+- reductions (`adasum_dots`) write one partial per program and a second launch sums each segment's partials
+  in a fixed order: deterministic, no atomics.
+- top-k: a fused pass builds acc = update + residual and its |acc| key; torch.topk on the device gives the
+  threshold; per-block counts and their running sums (torch, on the device) place every taken entry, and a
+  last pass writes indices/values and zeroes them in the residual.
+- median / trimmed mean: each program loads a tile of columns x all m rows, maps values to order-preserving
+  integer keys (NaN above +inf) and sorts the m keys of each column in registers (`tl.sort`).
+
+Arithmetic mirrors the torch reference so that results agree bit for bit (tested): dots and the combination
+in float64 (fp_fusion off: no FMA changes a rounding), the top-k sum and the even-m median mid-point in the
+input dtype (float32 math rounded to it for 16-bit inputs), trimmed-mean sums in float64 in ascending order.
+Every function takes contiguous inputs, non-empty (`pdv_ext.kernels` sees to both).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import List, Sequence, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+#: elements per program of the list ops and top-k (tests lower them to cover many blocks on tiny inputs)
+BLOCK = 4096
+#: elements (columns x padded rows) per program of median / trimmed mean
+SORT_TILE = 4096
+_tables: "OrderedDict[tuple, tuple]" = OrderedDict()
+
+
+# ---- tables --------------------------------------------------------------------------------------------
+def _upload(values: List[int], device: torch.device) -> torch.Tensor:
+    """int64 values on the device without a host wait: pinned host memory, asynchronous copy."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def _block_tables(sizes: Tuple[int, ...], device: torch.device, block: int):
+    """(segment of each program, its first element, segment sizes, first program of each segment + end):
+    depend only on the sizes, so cached (an aggregator passes the same tensor sizes every step)."""
+    key = (sizes, str(device), block)
+    hit = _tables.get(key)
+    if hit is not None:
+        _tables.move_to_end(key)
+        return hit
+    seg, start, first = [], [], [0]
+    for i, n in enumerate(sizes):
+        nb = -(-n // block)
+        seg += [i] * nb
+        start += range(0, nb * block, block)
+        first.append(first[-1] + nb)
+    hit = (_upload(seg, device), _upload(start, device), _upload(list(sizes), device), _upload(first, device),
+           len(seg))
+    _tables[key] = hit
+    if len(_tables) > 64:
+        _tables.popitem(last=False)
+    return hit
+
+
+def _ptrs(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return _upload([t.data_ptr() for t in tensors], tensors[0].device)
+
+
+@triton.jit
+def _to(x, P):
+    """x rounded to the element type of pointer P as torch rounds: 16-bit types through float32, bfloat16
+    to nearest-even by hand (Triton's interpreter truncates; compiled, this is what cvt.rn does)."""
+    ty = P.dtype.element_ty
+    if ty.is_bf16():
+        x = x.to(tl.float32)
+        b = x.to(tl.int32, bitcast=True)  # int32 wraps like uint32; only the low 16 bits of >> 16 are kept
+        r = tl.where(x != x, b | 0x400000, b + 0x7FFF + ((b >> 16) & 1))
+        return (r >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    if ty.is_fp16():
+        x = x.to(tl.float32)
+    return x.to(ty)
+
+
+# ---- adasum -----------------------------------------------------------------------------------------------
+@triton.jit
+def _dots_partial(A, B, REF, seg_of, start_of, sizes, part, nblocks, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    seg = tl.load(seg_of + pid)
+    offs = tl.load(start_of + pid) + tl.arange(0, BLOCK)
+    mask = offs < tl.load(sizes + seg)
+    x = tl.load(tl.load(A + seg).to(REF.dtype) + offs, mask=mask, other=0.0).to(tl.float64)
+    y = tl.load(tl.load(B + seg).to(REF.dtype) + offs, mask=mask, other=0.0).to(tl.float64)
+    tl.store(part + pid, tl.sum(x * y, axis=0))
+    tl.store(part + nblocks + pid, tl.sum(x * x, axis=0))
+    tl.store(part + 2 * nblocks + pid, tl.sum(y * y, axis=0))
+
+
+@triton.jit
+def _dots_reduce(part, first, out, nblocks, nseg, RB: tl.constexpr):
+    seg = tl.program_id(0)
+    lo = tl.load(first + seg)
+    hi = tl.load(first + seg + 1)
+    for row in tl.static_range(3):
+        acc = tl.zeros([RB], dtype=tl.float64)
+        for s in range(lo, hi, RB):
+            offs = s + tl.arange(0, RB)
+            acc += tl.load(part + row * nblocks + offs, mask=offs < hi, other=0.0)
+        tl.store(out + row * nseg + seg, tl.sum(acc, axis=0))
+
+
+def adasum_dots(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dev = a[0].device
+    seg, start, sizes, first, nblocks = _block_tables(tuple(t.numel() for t in a), dev, BLOCK)
+    out = torch.empty(3, len(a), dtype=torch.float64, device=dev)
+    part = torch.empty(3, max(nblocks, 1), dtype=torch.float64, device=dev)
+    if nblocks:
+        _dots_partial[(nblocks,)](_ptrs(a), _ptrs(b), a[0], seg, start, sizes, part, nblocks, BLOCK=BLOCK)
+    _dots_reduce[(len(a),)](part, first, out, max(nblocks, 1), len(a), RB=256)
+    return out[0], out[1], out[2]
+
+
+@triton.jit
+def _combine(A, B, O, REF, seg_of, start_of, sizes, CA, CB, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    seg = tl.load(seg_of + pid)
+    offs = tl.load(start_of + pid) + tl.arange(0, BLOCK)
+    mask = offs < tl.load(sizes + seg)
+    x = tl.load(tl.load(A + seg).to(REF.dtype) + offs, mask=mask, other=0.0).to(tl.float64)
+    y = tl.load(tl.load(B + seg).to(REF.dtype) + offs, mask=mask, other=0.0).to(tl.float64)
+    r = x * tl.load(CA + seg) + y * tl.load(CB + seg)
+    po = tl.load(O + seg).to(REF.dtype)
+    tl.store(po + offs, _to(r, po), mask=mask)
+
+
+def adasum_combine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ca: torch.Tensor, cb: torch.Tensor,
+                   outs: Sequence[torch.Tensor]) -> None:
+    dev = a[0].device
+    seg, start, sizes, _, nblocks = _block_tables(tuple(t.numel() for t in a), dev, BLOCK)
+    if not nblocks:
+        return
+    ca64 = ca.to(device=dev, dtype=torch.float64, non_blocking=True).contiguous()
+    cb64 = cb.to(device=dev, dtype=torch.float64, non_blocking=True).contiguous()
+    _combine[(nblocks,)](_ptrs(a), _ptrs(b), _ptrs(outs), a[0], seg, start, sizes, ca64, cb64, BLOCK=BLOCK,
+                         enable_fp_fusion=False)
+
+
+# ---- top-k with error feedback ------------------------------------------------------------------------------
+@triton.jit
+def _abs_key(acc):
+    """|acc| as an integer ordered like |acc|; every NaN the canonical NaN, above +inf."""
+    if acc.dtype == tl.float64:
+        key = tl.abs(acc).to(tl.int64, bitcast=True)
+        key = tl.where(acc != acc, 0x7FF8000000000000, key)
+    else:
+        key = tl.abs(acc.to(tl.float32)).to(tl.int32, bitcast=True)
+        key = tl.where(acc != acc, 0x7FC00000, key)
+    return key
+
+
+@triton.jit
+def _topk_prep(U, R, KEY, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    u = tl.load(U + offs, mask=mask, other=0.0)
+    r = tl.load(R + offs, mask=mask, other=0.0)
+    if u.dtype == tl.float64:
+        acc = u + r
+    else:  # as torch adds 16-bit floats: in float32, rounded once
+        acc = _to(u.to(tl.float32) + r.to(tl.float32), U)
+    tl.store(R + offs, acc, mask=mask)
+    tl.store(KEY + offs, _abs_key(acc), mask=mask)
+
+
+@triton.jit
+def _topk_count(KEY, THR, counts, n, nblocks, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    key = tl.load(KEY + offs, mask=mask, other=0)
+    thr = tl.load(THR)
+    tl.store(counts + pid, tl.sum((mask & (key > thr)).to(tl.int64), axis=0))
+    tl.store(counts + nblocks + pid, tl.sum((mask & (key == thr)).to(tl.int64), axis=0))
+
+
+@triton.jit
+def _topk_write(KEY, R, THR, base, ties_before, NEED, IDX, VALS, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    key = tl.load(KEY + offs, mask=mask, other=0)
+    thr = tl.load(THR)
+    tie = mask & (key == thr)
+    tie_rank = tl.load(ties_before + pid) + tl.cumsum(tie.to(tl.int64), axis=0)  # inclusive, global
+    take = (mask & (key > thr)) | (tie & (tie_rank <= tl.load(NEED)))
+    pos = tl.load(base + pid) + tl.cumsum(take.to(tl.int64), axis=0) - 1
+    tl.store(IDX + pos, offs, mask=take)
+    tl.store(VALS + pos, tl.load(R + offs, mask=take, other=0.0), mask=take)
+    tl.store(R + offs, tl.zeros([BLOCK], dtype=R.dtype.element_ty), mask=take)
+
+
+def topk_error_feedback(update: torch.Tensor, residual: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`update`, `residual` contiguous and flat, 0 < k < n (the caller handles k = 0 and k = n)."""
+    n = update.numel()
+    nblocks = triton.cdiv(n, BLOCK)
+    key = torch.empty(n, dtype=torch.int64 if update.dtype == torch.float64 else torch.int32, device=update.device)
+    _topk_prep[(nblocks,)](update, residual, key, n, BLOCK=BLOCK)
+    thr = torch.topk(key, k, sorted=False).values.min()
+    counts = torch.empty(2, nblocks, dtype=torch.int64, device=update.device)
+    _topk_count[(nblocks,)](key, thr, counts, n, nblocks, BLOCK=BLOCK)
+    above_before = counts[0].cumsum(0) - counts[0]
+    ties_before = counts[1].cumsum(0) - counts[1]
+    need = k - counts[0].sum()
+    base = above_before + torch.minimum(ties_before, need)  # entries taken by the blocks before
+    idx = torch.empty(k, dtype=torch.int64, device=update.device)
+    vals = torch.empty(k, dtype=update.dtype, device=update.device)
+    _topk_write[(nblocks,)](key, residual, thr, base, ties_before, need, idx, vals, n, BLOCK=BLOCK)
+    return idx, vals
+
+
+# ---- median / trimmed mean ----------------------------------------------------------------------------------
+@triton.jit
+def _sort_key(x):
+    """Float -> integer of the same order (-0.0 just below +0.0; every NaN canonical, above +inf)."""
+    if x.dtype == tl.float64:
+        b = x.to(tl.int64, bitcast=True)
+        key = b ^ ((b >> 63) & 0x7FFFFFFFFFFFFFFF)
+        key = tl.where(x != x, 0x7FF8000000000000, key)
+    else:
+        b = x.to(tl.int32, bitcast=True)
+        key = b ^ ((b >> 31) & 0x7FFFFFFF)
+        key = tl.where(x != x, 0x7FC00000, key)
+    return key
+
+
+@triton.jit
+def _key_value(key, F: tl.constexpr):
+    """The inverse of _sort_key (to float64 for int64 keys, float32 for int32)."""
+    if F == 64:
+        b = key ^ ((key >> 63) & 0x7FFFFFFFFFFFFFFF)
+        v = b.to(tl.float64, bitcast=True)
+    else:
+        b = key ^ ((key >> 31) & 0x7FFFFFFF)
+        v = b.to(tl.float32, bitcast=True)
+    return v
+
+
+@triton.jit
+def _sorted_rows(S, OUT, n, stride, M: tl.constexpr, MP2: tl.constexpr, TRIM: tl.constexpr,
+                 MEDIAN: tl.constexpr, F: tl.constexpr, BLOCK: tl.constexpr):
+    """F: 64 for float64 stacks (int64 keys), 32 for the rest (float32 math, int32 keys)."""
+    cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    rows = tl.arange(0, MP2)
+    inside = rows[None, :] < M
+    x = tl.load(S + rows[None, :].to(tl.int64) * stride + cols[:, None], mask=(cols[:, None] < n) & inside,
+                other=0.0)
+    if F == 64:
+        key = tl.where(inside, _sort_key(x), 0x7FFFFFFFFFFFFFFF)  # padding sorts last
+    else:
+        key = tl.where(inside, _sort_key(x.to(tl.float32)), 0x7FFFFFFF)
+    key = tl.sort(key, dim=1)
+    if MEDIAN:
+        hi = _key_value(tl.sum(tl.where(rows[None, :] == M // 2, key, 0), axis=1), F)
+        if M % 2 == 1:
+            res = _to(hi, OUT)
+        else:  # (lo + hi) / 2, each step rounded to the dtype as torch computes it
+            lo = _key_value(tl.sum(tl.where(rows[None, :] == M // 2 - 1, key, 0), axis=1), F)
+            res = _to(_to(lo + hi, OUT).to(hi.dtype) * 0.5, OUT)
+        tl.store(OUT + cols, res, mask=cols < n)
+    else:  # the kept values summed in ascending order in float64
+        acc = _key_value(tl.sum(tl.where(rows[None, :] == TRIM, key, 0), axis=1), F).to(tl.float64)
+        for j in tl.static_range(TRIM + 1, M - TRIM):
+            acc += _key_value(tl.sum(tl.where(rows[None, :] == j, key, 0), axis=1), F).to(tl.float64)
+        tl.store(OUT + cols, _to(acc / (M - 2 * TRIM), OUT), mask=cols < n)
+
+
+#: stacks of more rows go to the reference (the per-column sort lives in registers)
+MAX_ROWS = 32
+
+
+def _sorted_rows_call(flat: torch.Tensor, trim: int, median: bool) -> torch.Tensor:
+    """`flat`: (m, n) with unit column stride; one program per tile of columns."""
+    m, n = flat.shape
+    out = torch.empty(n, dtype=flat.dtype, device=flat.device)
+    mp2 = max(2, triton.next_power_of_2(m))
+    block = max(16, SORT_TILE // mp2)
+    if n:
+        _sorted_rows[(triton.cdiv(n, block),)](flat, out, n, flat.stride(0), M=m, MP2=mp2, TRIM=trim,
+                                               MEDIAN=median, F=64 if flat.dtype == torch.float64 else 32, BLOCK=block)
+    return out
+
+
+def coordinate_median(flat: torch.Tensor) -> torch.Tensor:
+    return _sorted_rows_call(flat, 0, True)
+
+
+def trimmed_mean(flat: torch.Tensor, trim: int) -> torch.Tensor:
+    return _sorted_rows_call(flat, trim, False)
