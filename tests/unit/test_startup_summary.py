@@ -97,3 +97,30 @@ def test_deepspeeds_log_level_applies(level, shown):
         set_log_level_from_string(logging.getLevelName(old).lower())
     assert eng.pdv_startup_summary == lines and len(lines) == 2
     assert seen == (lines if shown else [])
+
+
+def test_args_deepspeed_config_is_hidden_only_while_deepspeed_initialize_runs(tmp_path, monkeypatch):
+    """A model that is not a PipelineModule goes to deepspeed.initialize, which refuses
+    args.deepspeed_config beside the dict pdv hands it: hidden during that call, the caller's value after."""
+    import torch
+    from argparse import Namespace
+
+    import pdv_ext.integrations.deepspeed as D
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "pdv": {}}))
+    args = Namespace(deepspeed_config=str(path), local_rank=0)
+    seen = {}
+
+    def fake_initialize(args=None, config=None, **kw):
+        seen["during"], seen["config"] = args.deepspeed_config, config
+        raise RuntimeError("stop here")  # restored even when DeepSpeed fails
+
+    monkeypatch.setattr(D.deepspeed, "initialize", fake_initialize)
+    with pytest.raises(RuntimeError, match="stop here"):
+        D.initialize(args=args, model=torch.nn.Linear(2, 2))
+    assert seen["during"] is None and seen["config"]["train_micro_batch_size_per_gpu"] == 1
+    assert args.deepspeed_config == str(path)
+    monkeypatch.setattr(D.deepspeed, "initialize", lambda args=None, **kw: args.deepspeed_config)
+    both = Namespace(deepspeed_config=str(path), local_rank=0)  # config= as well: DeepSpeed decides, as before
+    assert D.initialize(args=both, model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1}) == str(path)
