@@ -24,8 +24,9 @@ layout. Device: everything a call computes stays on the gradients' device — th
 partial sums, their block sums (through `Comm.exchange`, like the gradient pieces themselves: the comm
 takes tensors where the gradients live, gloo CPU, NCCL CUDA), the coefficients, and the per-layout index
 tensors, built on the host once per layout and cached on the device. This module makes no host
-synchronisation; any that remains is inside `pdv_ext.kernels` (whose `adasum_dots` may return its sums on
-the host: they are moved to the device with one non-blocking copy per level).
+synchronisation (nor do `pdv_ext.kernels`' CUDA and reference paths; should `adasum_dots` return its sums
+on the host, they are moved to the device with one non-blocking copy per level). The one that remains is
+the comm's: `HorovodComm.exchange` reads the received splits of Horovod's alltoall on the host.
 
 Unlike Horovod (MPI only, power-of-two ranks, global set) this runs on any `Comm`: the ranks beyond the
 largest power of two P fold their gradient into rank r - P first (a local pairwise Adasum) and get the
