@@ -34,7 +34,8 @@ def local_facts(engine: Any) -> Dict[str, Any]:
     agg = getattr(engine, "aggregator", None)
     return {"stage": int(getattr(engine, "stage_id", 0)),
             "aggregator": describe(agg) if agg is not None else None,
-            "native_reduce": bool(getattr(engine, "_native_reduce", False))}
+            "native_reduce": bool(getattr(engine, "_native_reduce", False)),
+            "reduce_mode": getattr(engine, "reduce_mode", None)}
 
 
 def gather_facts(facts: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
@@ -120,7 +121,9 @@ def startup_lines(engine: Any, facts: List[Dict[str, Any]], cfg: Any) -> List[st
         if f.get("aggregator") is not None:
             per_stage.setdefault(int(f["stage"]), f["aggregator"])
     native = any(f.get("native_reduce") for f in facts)
-    how = " (ZeRO / BF16 optimizer: DeepSpeed reduces inside its optimizer)" if native else ""
+    mode = next((f.get("reduce_mode") for f in facts if f.get("reduce_mode") not in (None, "engine")), None)
+    how = (" (ZeRO / BF16 optimizer: DeepSpeed's own reduction inside its optimizer)" if native else
+           f" (on the gradients of DeepSpeed's {mode} optimizer)" if mode else "")
     if len(set(per_stage.values())) == 1:
         lines.append(f"aggregator {next(iter(per_stage.values()))} on every stage's data-parallel group{how}")
     elif per_stage:

@@ -63,8 +63,11 @@ def test_aggregators_that_differ_are_named_per_stage_and_native_reduction_said()
              {"stage": 0, "aggregator": "mean()", "native_reduce": False},
              {"stage": 1, "aggregator": "other()", "native_reduce": False}]  # a stage's first rank speaks for it
     assert S.startup_lines(eng, facts, cfg)[1] == "pdv_ext: aggregator per stage: stage 0: mean(); stage 1: median()"
-    facts = [{"stage": s, "aggregator": "mean()", "native_reduce": True} for s in (0, 1)]
-    assert "DeepSpeed reduces inside its optimizer" in S.startup_lines(eng, facts, cfg)[1]
+    facts = [{"stage": s, "aggregator": "mean()", "native_reduce": True, "reduce_mode": "zero"} for s in (0, 1)]
+    assert S.startup_lines(eng, facts, cfg)[1].endswith("(ZeRO / BF16 optimizer: DeepSpeed's own reduction inside "
+                                                       "its optimizer)")
+    facts = [{"stage": s, "aggregator": "median()", "native_reduce": False, "reduce_mode": "bf16"} for s in (0, 1)]
+    assert S.startup_lines(eng, facts, cfg)[1].endswith("(on the gradients of DeepSpeed's bf16 optimizer)")
 
 
 def test_start_up_plan_and_explicit_placement_sources():
