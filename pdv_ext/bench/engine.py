@@ -3,17 +3,33 @@
 Both engines are built in the same 4 ranks from identically seeded models and fed identical data; their
 train_batch calls alternate (vanilla, pdv, vanilla, ...) so machine noise hits both alike. Reports the
 median step of each, their ratio and whether every step's loss (and the final weights) matched exactly.
+`--precision fp32|bf16` and `--zero 0|1` pick DeepSpeed's mode for both engines (bf16 alone runs
+DeepSpeed's BF16_Optimizer, ZeRO-1 its DeepSpeedZeroOptimizer); the ranks run on CPU with gloo, where
+DeepSpeed has no fp16.
 """
 from __future__ import annotations
 
 import sys
 from typing import Any, Dict, List, Optional
 
+#: DeepSpeed config fragments per --precision (model inputs follow the weights' dtype)
+PRECISION = {"fp32": {}, "fp16": {"fp16": {"enabled": True}}, "bf16": {"bf16": {"enabled": True}}}
+
+
+def mode_config(precision: str = "fp32", zero: int = 0, grad_accum_dtype: Optional[str] = None) -> Dict[str, Any]:
+    """The DeepSpeed config keys of a precision / ZeRO stage (both engines get the same)."""
+    cfg: Dict[str, Any] = {k: dict(v) for k, v in PRECISION[precision].items()}
+    if zero:
+        cfg["zero_optimization"] = {"stage": int(zero)}
+    if grad_accum_dtype:
+        cfg["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
+    return cfg
+
 from .common import check_ranges, emit, log, median, parser
 
 
 def _rank(steps: int, warmup: int, layers: int, hidden: int, stages: int, micro_batch: int, grad_acc: int,
-          seed: int) -> Dict[str, Any]:
+          seed: int, precision: str = "fp32", zero: int = 0, grad_accum_dtype: Optional[str] = None) -> Dict[str, Any]:
     import time
 
     import deepspeed
@@ -26,6 +42,11 @@ def _rank(steps: int, warmup: int, layers: int, hidden: int, stages: int, micro_
 
     deepspeed.init_distributed(dist_backend="gloo")
     dp = dist.get_world_size() // stages
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+
+    def batches(data):
+        for x, y in data:
+            yield x.to(dtype), y
 
     def build(init):
         torch.manual_seed(seed)
@@ -34,11 +55,12 @@ def _rank(steps: int, warmup: int, layers: int, hidden: int, stages: int, micro_
                                base_seed=seed)
         cfg = {"train_batch_size": micro_batch * grad_acc * dp, "train_micro_batch_size_per_gpu": micro_batch,
                "gradient_accumulation_steps": grad_acc, "steps_per_print": 10 ** 9,
-               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+               **mode_config(precision, zero, grad_accum_dtype)}
         if init is pdv_ext.initialize:
             cfg["pdv"] = {"aggregation": {"type": "mean"}}
         engine = init(model=model, config=cfg, model_parameters=[p for p in model.parameters()])[0]
-        return engine, synthetic_batches(64, 10, micro_batch, seed=seed + engine.grid.get_data_parallel_id())
+        return engine, batches(synthetic_batches(64, 10, micro_batch, seed=seed + engine.grid.get_data_parallel_id()))
 
     vanilla, vdata = build(deepspeed.initialize)
     pdv, pdata = build(pdv_ext.initialize)
@@ -57,7 +79,8 @@ def _rank(steps: int, warmup: int, layers: int, hidden: int, stages: int, micro_
                 times[name].append(dt)
             losses[name].append(float(loss))
     same_weights = all(torch.equal(a, b) for a, b in zip(vanilla.module.parameters(), pdv.module.parameters()))
-    return {"times": times, "losses": losses, "same_weights": same_weights, "engine": type(pdv).__name__}
+    return {"times": times, "losses": losses, "same_weights": same_weights, "engine": type(pdv).__name__,
+            "optimizer": type(pdv.optimizer).__name__, "reduce_mode": getattr(pdv, "reduce_mode", None)}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -70,6 +93,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--grad-acc", type=int, default=4)
+    ap.add_argument("--precision", choices=sorted(PRECISION), default="fp32",
+                    help="DeepSpeed's fp16/bf16 section for both engines (fp16 needs a GPU: not on CPU ranks)")
+    ap.add_argument("--zero", type=int, choices=(0, 1), default=0,
+                    help="zero_optimization.stage for both engines (pipelines allow 0 and 1)")
+    ap.add_argument("--grad-accum-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                    help="data_types.grad_accum_dtype (default: DeepSpeed's, the weights' dtype); bf16 + --zero 1 + "
+                         "fp32 runs DeepSpeed's BF16_Optimizer instead of its ZeRO optimizer")
     ap.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
     ap.add_argument("--timeout", type=float, default=900)
     args = ap.parse_args(argv)
@@ -79,20 +109,25 @@ def main(argv: Optional[List[str]] = None) -> int:
                             "--micro-batch": 1, "--grad-acc": 1}, ["--timeout"])
     if args.ranks % args.stages:  # DeepSpeed's pipeline grid: stages x data-parallel replicas
         ap.error(f"--stages ({args.stages}) must divide --ranks ({args.ranks})")
+    if args.precision == "fp16":  # the ranks run on CPU (gloo): DeepSpeed refuses fp16 there
+        ap.error("--precision fp16: DeepSpeed has no fp16 on CPU (the bench runs its ranks on CPU with gloo); use "
+                 "fp32 or bf16 here, and launch/train_gpt.py with an fp16 config on a GPU")
     from ..spawn import run_ranks
 
     log(f"[bench engine] {args.ranks} ranks, {args.stages} stages, {args.layers} layers x {args.hidden}, "
-        f"{args.steps} timed steps per engine (alternating)")
+        f"{args.precision}, ZeRO stage {args.zero}, {args.steps} timed steps per engine (alternating)")
     res = run_ranks("pdv_ext.bench.engine:_rank", args.ranks,
                     dict(steps=args.steps, warmup=args.warmup, layers=args.layers, hidden=args.hidden,
-                         stages=args.stages, micro_batch=args.micro_batch, grad_acc=args.grad_acc, seed=1234),
+                         stages=args.stages, micro_batch=args.micro_batch, grad_acc=args.grad_acc, seed=1234,
+                         precision=args.precision, zero=args.zero, grad_accum_dtype=args.grad_accum_dtype),
                     timeout=args.timeout)
     # a step's time is the slowest rank's
     step = {k: [max(r["times"][k][i] for r in res) for i in range(len(res[0]["times"][k]))] for k in ("vanilla", "pdv")}
     vanilla_ms, pdv_ms = median(step["vanilla"]) * 1e3, median(step["pdv"]) * 1e3
     loss_equal = all(r["losses"]["vanilla"] == r["losses"]["pdv"] and r["same_weights"] for r in res)
     emit({"vanilla_ms": round(vanilla_ms, 3), "pdv_ms": round(pdv_ms, 3), "ratio": round(pdv_ms / vanilla_ms, 4),
-          "loss_equal": loss_equal, "ranks": args.ranks}, args.json)
+          "loss_equal": loss_equal, "ranks": args.ranks, "precision": args.precision, "zero": args.zero,
+          "optimizer": res[0]["optimizer"]}, args.json)
     return 0
 
 

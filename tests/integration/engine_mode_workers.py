@@ -57,9 +57,12 @@ def train_modes(modes: List[str], aggregators: List[Any], steps: int = 3, stages
     import pdv_ext
     from pdv_ext.models import mlp_layers, seed_layer, synthetic_batches
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    from deepspeed.accelerator import get_accelerator
+
+    on_cuda = get_accelerator().device_name() == "cuda"  # DS_ACCELERATOR=cuda: the GPU tier (nccl)
+    deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo")
     dp = dist.get_world_size() // stages
-    out: Dict[str, Any] = {"rank": dist.get_rank()}
+    out: Dict[str, Any] = {"rank": dist.get_rank(), "device": get_accelerator().device_name()}
     for mode in modes:
         runs: Dict[str, Any] = {}
         for agg in ([None] if vanilla else []) + list(aggregators):
@@ -89,7 +92,8 @@ def train_modes(modes: List[str], aggregators: List[Any], steps: int = 3, stages
                           "optimizer": type(eng.optimizer).__name__,
                           "reduce_mode": getattr(eng, "reduce_mode", None),
                           "native": getattr(eng, "_native_reduce", None),
-                          "stage": eng.stage_id, "dp_id": eng.grid.get_data_parallel_id()}
+                          "stage": eng.stage_id, "dp_id": eng.grid.get_data_parallel_id(),
+                          "param_device": str(next(eng.module.parameters()).device)}
             if hasattr(eng, "aggregator"):
                 runs[name]["aggregator_steps"] = eng.aggregator.step
             del eng
