@@ -41,7 +41,7 @@ from ..comm.base import Comm
 from ..config_base import StrictModel
 from .base import Aggregator, register_aggregator
 from .groups import SmallGroups
-from .robust import flat_dtype, flatten_as, write_back
+from .robust import exact, flat_dtype, flatten_as, write_back
 
 SKETCH = 64
 
@@ -117,7 +117,8 @@ class Gossip(SmallGroups, Aggregator):
             peers: List[int] = []
         elif synced:
             target = self.applied + self.residual + g
-            comm.all_reduce(target, "avg")
+            comm.all_reduce(target, "sum")  # then a true division (robust.exact): the same bits everywhere
+            target.div_(exact(comm.size, target))
             out = target - self.applied
             self.residual.zero_()
             peers = []
@@ -179,7 +180,9 @@ class Gossip(SmallGroups, Aggregator):
         sign = self._sketch["sign"] if self._sketch is not None and self._sketch["n"] == n else None
         if sign is None or sign.dtype != work.dtype or sign.device != work.device:
             gen = torch.Generator().manual_seed(12345)
-            sign = torch.randint(0, 2, (rows + 1,), generator=gen).to(work.dtype).mul_(2).sub_(1).to(work.device)
+            # drawn on the host (the same signs whatever the device), uploaded without a stream sync
+            sign = torch.randint(0, 2, (rows + 1,), generator=gen).to(work.dtype).mul_(2).sub_(1)
+            sign = sign.to(work.device, non_blocking=True)
             self._sketch = {"sign": sign, "n": n}
         sk = torch.zeros(SKETCH + 1, dtype=torch.float64, device=u.device)
         if rows:

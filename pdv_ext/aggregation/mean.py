@@ -3,6 +3,12 @@
 DeepSpeed flattens the gradients of each dtype into buckets of at most `bucket_elements`, all-reduces
 each bucket (SUM) and then scales by 1/world (postscale, its default) or scales first (`prescale`); we do
 exactly the same operations in the same order, so losses and weights match vanilla DeepSpeed exactly.
+
+Small groups: defined for every group; a group of one is the identity (the sum of one, times 1/1).
+Devices: element-wise adds in the comm's order and one rounded scale, so CPU and CUDA give the same bits
+for the same reduction order. Host syncs on CUDA: one per bucket (one bucket unless the gradients exceed
+`bucket_elements`), the non-finite check of the reduced buffer (`base.all_finite`), which decides whether
+ranks are asked who sent NaN/Inf.
 """
 from __future__ import annotations
 

@@ -73,6 +73,13 @@ def to_host(*tensors: torch.Tensor) -> List[torch.Tensor]:
     return out
 
 
+def exact(x: float, like: torch.Tensor) -> torch.Tensor:
+    """`x` as a 0-dim tensor on `like`'s device (a fill, no upload). Dividing by it is a true division on
+    every device; dividing a CUDA tensor by a Python number multiplies by its rounded reciprocal instead
+    (torch's BinaryDivTrueKernel.cu), which can differ from the CPU's quotient in the last bit."""
+    return torch.full((), x, dtype=like.dtype, device=like.device)
+
+
 def host_mask(finite: torch.Tensor) -> torch.Tensor:
     """A bool mask on the host (one copy, a sync, when it is on a device)."""
     return finite if finite.device.type == "cpu" else finite.cpu()

@@ -34,7 +34,8 @@ from ..config_base import StrictModel
 from .base import register_aggregator
 from .. import kernels
 from .robust import (RobustAggregator, bad_ranks, flat_dtype, flatten_as, require_some_finite, scatter_slices,
-                     sum_partials, to_host)
+                     exact, sum_partials, to_host)
+
 
 #: columns per float64 block of the device dot products: never an (m, n) float64 copy of the candidates
 BLOCK = 1 << 16
@@ -142,7 +143,8 @@ class Zeno(RobustAggregator):
         dot, g2 = sum_partials(torch.stack([dot, g2]), comm)
         # the group-averaged score gamma <mean_r v_r, g_i> - rho |g_i|^2; an over/underflowed one counts as
         # the worst finite score; non-finite candidates score -inf
-        scores = torch.nan_to_num(opt.gamma * dot / m - opt.rho * g2, nan=-1e300, posinf=-1e300, neginf=-1e300)
+        scores = torch.nan_to_num(opt.gamma * dot / exact(m, dot) - opt.rho * g2, nan=-1e300, posinf=-1e300,
+                                  neginf=-1e300)
         scores = torch.where(finite, scores, torch.full_like(scores, float("-inf")))
         scores, fin = to_host(scores, finite)  # the call's one host sync: who is kept is a host decision
         fin = fin > 0
@@ -153,7 +155,7 @@ class Zeno(RobustAggregator):
         out = rows[keep[0]].clone()  # the mean of the kept rows on this slice, without copying them out
         for i in keep[1:]:
             out.add_(rows[i])
-        out.div_(n_keep)
+        out.div_(exact(n_keep, out))
         self.report = {"dropped": sorted(int(i) for i in drop), "nonfinite": bad_ranks(fin),
                        "scores": [float(x) for x in scores]}
         return self.finish_slices(out, grads, comm)

@@ -133,3 +133,27 @@ def gloo_suite(specs: List[Dict[str, Any]]) -> Dict[str, Any]:
     out["convergence"] = convergence.rank_main([{"aggregator": "mean", "lr": 1.0}, {"aggregator": "adasum", "lr": 1.0}],
                                                batch=64, max_steps=40, target=0.6, eval_every=1, hidden=32)
     return out
+
+
+def small_groups(specs: List[Dict[str, Any]], steps: int = 2) -> Dict[str, Any]:
+    """The same aggregation sections on this (small) gloo group: outputs and the group-size warnings."""
+    import warnings
+
+    from pdv_ext.aggregation import build_aggregator
+    from pdv_ext.aggregation.groups import GroupSizeWarning
+    from pdv_ext.comm import TorchComm
+    from pdv_ext.spawn import init_torch_distributed
+
+    init_torch_distributed()
+    comm = TorchComm()
+    out: Dict[str, Any] = {}
+    for spec in specs:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            agg = build_aggregator(dict(spec))
+            if getattr(agg, "needs_validation", False):
+                agg.validation_fn = lambda: rank_grads(50 + comm.rank)
+            outs = [torch.cat([t.reshape(-1) for t in agg(rank_grads(comm.rank, s), comm)]) for s in range(steps)]
+        out[spec["type"]] = {"outs": outs, "warnings": [str(w.message) for w in caught
+                                                        if issubclass(w.category, GroupSizeWarning)]}
+    return out

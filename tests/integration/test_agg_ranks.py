@@ -74,3 +74,24 @@ def test_zeno_and_faults_in_the_pipeline_engine():
     assert all(torch.isfinite(r["weights"]).all() for r in res)
     last = [r for r in res if r["stage"] == 1][0]["losses"]
     assert last[-1] < last[0]
+
+
+@pytest.mark.timeout(180)
+def test_the_width_4_section_runs_on_a_group_of_2():
+    """The sections above (made for 4 ranks) over 2 real gloo ranks: options the pair cannot support are clamped
+    with one warning on group rank 0 (trimmed_mean b 1 -> 0, suspicion k 1 -> 0, gossip peers 2 -> 1), zeno
+    keeps the better of two, and the robust replicas agree."""
+    res = run_ranks("tests.integration.agg_workers:small_groups", 2, {"specs": SPECS}, timeout=170)
+    assert sorted(w.split(" (")[0] for w in sum((v["warnings"] for v in res[0].values()), [])) == [
+        "pdv.aggregation.b=1 clamped to 0 for a data-parallel group of 2",
+        "pdv.aggregation.k=1 clamped to 0 for a data-parallel group of 2",
+        "pdv.aggregation.peers=2 clamped to 1 for a data-parallel group of 2"]
+    assert all(not v["warnings"] for v in res[1].values())
+    for s in range(2):
+        pair = (flat(rank_grads(0, s)) + flat(rank_grads(1, s))) / 2
+        for name in ("mean", "median", "trimmed_mean", "suspicion"):
+            assert torch.equal(res[0][name]["outs"][s], res[1][name]["outs"][s]), name
+            assert torch.allclose(res[0][name]["outs"][s], pair, atol=1e-6), name
+        z = res[0]["zeno"]["outs"][s]
+        assert torch.equal(z, res[1]["zeno"]["outs"][s])
+        assert any(torch.equal(z, flat(rank_grads(r, s))) for r in range(2))
