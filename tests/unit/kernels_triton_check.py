@@ -1,0 +1,140 @@
+"""The Triton kernels run by Triton's interpreter on CPU tensors, against the torch reference (bit for bit) and
+the float64 reference (within the documented bound). Run by test_kernels_triton.py in a subprocess, since
+TRITON_INTERPRET=1 must be set before triton is imported and must not leak into other tests:
+
+    TRITON_INTERPRET=1 PDV_KERNELS=triton python tests/unit/kernels_triton_check.py [CASE ...]
+
+prints one JSON object {case: "ok" | the failure} as its last line. Sizes are small (the interpreter runs
+a program's block as numpy arrays) and the block sizes are lowered, so every op still spans many programs.
+"""
+import json
+import sys
+import traceback
+
+DTYPES = ["float32", "bfloat16", "float16", "float64"]
+CASES = [f"{op}_{dt}" for op in ("dots", "combine", "topk", "median", "trimmed") for dt in DTYPES] + ["empty"]
+
+
+def main(cases):
+    import torch
+
+    from pdv_ext import kernels as K
+    from pdv_ext.kernels import reference as R
+    from pdv_ext.kernels import triton_gpu as T
+
+    assert K.backend("cpu") == "triton", K.backend("cpu")
+    T.BLOCK, T.SORT_TILE = 64, 128
+    nan, inf = float("nan"), float("inf")
+    g = torch.Generator().manual_seed(0)
+
+    def same(x, y):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+
+    def strided(t):  # the same values as a non-contiguous view
+        return torch.stack([t, torch.full_like(t, 7.0)], dim=-1)[..., 0]
+
+    def lists(dt):
+        sizes = [0, 1, 7, 64, 65, 200]
+        a = [torch.randn(s, generator=g).to(dt) * 3 for s in sizes]
+        b = [torch.randn(s, generator=g).to(dt) for s in sizes]
+        a.append(torch.tensor([nan, 1.0, inf, 2.0], dtype=dt))
+        b.append(torch.tensor([1.0, inf, 1.0, -2.0], dtype=dt))
+        a[3], b[4] = strided(a[3]), strided(b[4])  # mixed layouts in one list
+        return a, b
+
+    def dots(dt):
+        a, b = lists(dt)
+        got = K.adasum_dots(a, b)
+        ref = R.adasum_dots([x.double() for x in a], [y.double() for y in b])  # products exact in float64
+        for x, y in zip(got, ref):
+            assert x.dtype == torch.float64
+            torch.testing.assert_close(x, y, rtol=1e-13, atol=1e-13, equal_nan=True)
+        for x, y in zip(got, R.adasum_dots(a, b)):
+            torch.testing.assert_close(x, y, rtol=1e-13, atol=1e-13, equal_nan=True)
+
+    def combine(dt):
+        a, b = lists(dt)
+        ca = torch.linspace(-1.5, 2.0, len(a), dtype=torch.float64)
+        cb = torch.linspace(0.3, 0.9, len(a), dtype=torch.float64)
+        ref = R.adasum_combine(a, b, ca, cb)
+        for x, y in zip(K.adasum_combine(a, b, ca, cb), ref):
+            same(x, y)
+        eps = torch.finfo(dt).eps  # one rounding of the float64 value: within eps/2 relative (+ float32 for 16-bit)
+        for i, x in enumerate(ref):
+            exact = ca[i] * a[i].double() + cb[i] * b[i].double()
+            ok = torch.isfinite(exact)
+            torch.testing.assert_close(x.double()[ok], exact[ok], rtol=eps, atol=1e-30)
+        outs = [torch.zeros(2 * x.numel(), dtype=dt)[::2].view(x.shape) for x in a]  # strided out
+        K.adasum_combine(a, b, ca, cb, out=outs)
+        for x, y in zip(outs, ref):
+            same(x, y)
+        mine = [x.clone() for x in a]  # in place
+        K.adasum_combine(mine, b, ca, cb, out=mine)
+        for x, y in zip(mine, ref):
+            same(x, y)
+
+    def topk(dt):
+        cases = [(torch.randint(-3, 4, (300,), generator=g).to(dt), torch.zeros(300, dtype=dt), k)
+                 for k in (1, 50, 150, 299)]  # many ties across blocks
+        cases += [(torch.randn(200, generator=g).to(dt), torch.randn(200, generator=g).to(dt), 37)]
+        sp = torch.tensor([nan, 1.0, -inf, 0.0, -0.0, 3.0, nan, inf, -3.0, 2.0], dtype=dt)
+        cases += [(sp, torch.zeros(10, dtype=dt), k) for k in (0, 1, 2, 3, 5, 9, 10)]
+        cases += [(torch.empty(0, dtype=dt), torch.empty(0, dtype=dt), 3)]
+        for u, r, k in cases:
+            r1, r2 = r.clone(), r.clone()
+            i1, v1 = K.topk_error_feedback(u, r1, k)
+            i2, v2 = R.topk_error_feedback(u, r2, k)
+            same(i1, i2), same(v1, v2), same(r1, r2)
+            assert i1.dtype == torch.int64 and i1.numel() == min(k, u.numel())
+        u, r = torch.randn(2, 150, generator=g).to(dt), torch.randn(150, 2, generator=g).to(dt)
+        r1, r2 = r.t(), r.t().contiguous()  # strided residual, updated in place
+        i1, v1 = K.topk_error_feedback(u.t(), r1, 40)
+        i2, v2 = R.topk_error_feedback(u.t().contiguous(), r2, 40)
+        same(i1, i2), same(v1, v2), same(r1, r2)
+
+    def stacks(dt):
+        for m in (1, 2, 3, 4, 5, 8):
+            s = torch.randn(m, 131, generator=g).to(dt)
+            s[0, ::7], s[-1, ::5], s[m // 2, ::3] = nan, inf, -inf
+            yield s
+        yield torch.randn(16, 70, generator=g).to(dt)
+        yield torch.randint(-2, 3, (6, 90), generator=g).to(dt)  # ties
+        yield torch.randn(4, 0).to(dt)
+        yield torch.randn(5, 40, generator=g).to(dt).t().contiguous().t()  # column stride != 1
+        yield torch.randn(3, 300, generator=g).to(dt)[:, 10:250:2]
+
+    def median(dt):
+        for s in stacks(dt):
+            same(K.coordinate_median(s), R.coordinate_median(s))
+
+    def trimmed(dt):
+        for s in stacks(dt):
+            for trim in sorted({0, 1, (s.shape[0] - 1) // 2} & set(range((s.shape[0] - 1) // 2 + 1))):
+                got = K.trimmed_mean(s, trim)
+                same(got, R.trimmed_mean(s, trim))
+                exact = R.trimmed_mean(s.double(), trim)  # float64 values: one rounding away
+                ok = torch.isfinite(exact)
+                torch.testing.assert_close(got.double()[ok], exact[ok], rtol=torch.finfo(dt).eps, atol=1e-30)
+
+    def empty(_):
+        d = K.adasum_dots([], [])
+        assert all(x.numel() == 0 and x.dtype == torch.float64 for x in d)
+        assert K.adasum_combine([], [], torch.empty(0), torch.empty(0)) == []
+        z = [torch.empty(0), torch.empty(0, 3)]
+        assert [x.tolist() for x in K.adasum_dots(z, z)] == [[0.0, 0.0]] * 3
+        assert [x.numel() for x in K.adasum_combine(z, z, torch.ones(2), torch.ones(2))] == [0, 0]
+
+    ops = {"dots": dots, "combine": combine, "topk": topk, "median": median, "trimmed": trimmed}
+    out = {}
+    for case in cases:
+        op, _, dt = case.partition("_")
+        try:
+            (empty if case == "empty" else ops[op])(getattr(torch, dt) if dt else None)
+            out[case] = "ok"
+        except Exception:
+            out[case] = traceback.format_exc(limit=4)[-2000:]
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or CASES)
