@@ -1,22 +1,27 @@
-"""`pdv bench kernels`: throughput of the fused C++ kernels vs their pure-torch fallbacks, with a plain
-memory copy measured in the same run as the roofline.
+"""`pdv bench kernels`: throughput of the kernel API (C++ on CPU, Triton on CUDA) vs the torch reference, with a
+plain memory copy of the same device measured in the same run as the roofline.
 
 Bandwidth counts the bytes an op must move, nothing else: copy reads and writes n elements; Adasum (the
 per-level pair `adasum_dots` + in-place `adasum_combine` over a GPT-like list of tensors) reads a and b
 twice and writes a once (5 n elements); top-k with error feedback reads update and residual and writes
-residual (3 n); median reads the m x n stack and writes n. Temporaries a fallback allocates are not
-counted (that is its cost). All variants use the same thread count (torch.get_num_threads()) and are
-timed alternately; each figure is the median of the repetitions.
+residual (3 n); median and trimmed mean read the m x n/m stack and write n/m ((m + 1) n / m). Temporaries an
+implementation allocates are not counted (that is its cost). Elements are counted at the input dtype's
+size. On CPU all variants use torch.get_num_threads() threads; on CUDA each repetition runs an op `inner`
+times between two CUDA events (no synchronisation inside, one after). Variants are timed alternately, so
+machine noise hits every case alike; each figure is the median of the repetitions.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Sequence
 
 import torch
 
 from .. import kernels as K
 from .common import check_ranges, emit, log, median, parser
+
+#: key suffix per input dtype (float32 keeps the historical key names)
+SUFFIX = {"float32": "", "bfloat16": "_bf16", "float16": "_fp16", "float64": "_fp64"}
 
 
 def gpt_like_sizes(total: int) -> List[int]:
@@ -37,20 +42,33 @@ def _time(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def run(elements: int, reps: int, m: int = 4) -> Dict[str, float]:
-    if K.backend() != "cpp":
-        log(f"fused kernels unavailable ({K._state['reason']}): fused figures measure the fallback")
-    n = elements
+def _time_cuda(fn: Callable[[], None], inner: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(inner):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / inner
+
+
+def _cases(n: int, m: int, device: str, dtype: torch.dtype):
+    """{name: (fn, bytes moved)} for one input dtype on one device."""
     g = torch.Generator().manual_seed(0)
-    src, dst = torch.randn(n, generator=g), torch.empty(n)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    size = torch.empty(0, dtype=dtype).element_size()
+    src, dst = randn(n), torch.empty(n, dtype=dtype, device=device)
     sizes = gpt_like_sizes(n)
-    a_flat, b_flat = torch.randn(n, generator=g), torch.randn(n, generator=g)
-    a = list(a_flat.split(sizes))
-    b = list(b_flat.split(sizes))
-    half = torch.full((len(sizes),), 0.5, dtype=torch.float64)
-    upd, res = torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1
+    a = list(randn(n).split(sizes))
+    b = list(randn(n).split(sizes))
+    half = torch.full((len(sizes),), 0.5, dtype=torch.float64, device=device)
+    upd, res = randn(n), randn(n) * 0.1
     k = max(1, n // 100)
-    stack = torch.randn(m, n // m, generator=g)
+    stack = randn(m, n // m)
+    trim = min((m - 1) // 2, max(1, m // 4))  # about a quarter of the rows dropped at each end
 
     def ada_fused():
         K.adasum_dots(a, b)
@@ -60,42 +78,75 @@ def run(elements: int, reps: int, m: int = 4) -> Dict[str, float]:
         K.adasum_dots_torch(a, b)
         K.adasum_combine_torch(a, b, half, half, out=a)
 
-    cases = {
-        "copy": (lambda: dst.copy_(src), 2 * n * 4),
-        "adasum_fused": (ada_fused, 5 * n * 4),
-        "adasum_torch": (ada_torch, 5 * n * 4),
-        "topk_fused": (lambda: K.topk_error_feedback(upd, res, k), 3 * n * 4),
-        "topk_torch": (lambda: K.topk_error_feedback_torch(upd, res, k), 3 * n * 4),
-        "median_fused": (lambda: K.coordinate_median(stack), (m + 1) * (n // m) * 4),
-        "median_torch": (lambda: K.coordinate_median_torch(stack), (m + 1) * (n // m) * 4),
+    rows = (m + 1) * (n // m) * size
+    return {
+        "copy": (lambda: dst.copy_(src), 2 * n * size),
+        "adasum_fused": (ada_fused, 5 * n * size),
+        "adasum_torch": (ada_torch, 5 * n * size),
+        "topk_fused": (lambda: K.topk_error_feedback(upd, res, k), 3 * n * size),
+        "topk_torch": (lambda: K.topk_error_feedback_torch(upd, res, k), 3 * n * size),
+        "median_fused": (lambda: K.coordinate_median(stack), rows),
+        "median_torch": (lambda: K.coordinate_median_torch(stack), rows),
+        "trimmed_fused": (lambda: K.trimmed_mean(stack, trim), rows),
+        "trimmed_torch": (lambda: K.trimmed_mean_torch(stack, trim), rows),
     }
-    times: Dict[str, List[float]] = {name: [] for name in cases}
-    for name, (fn, _) in cases.items():  # warm-up (and the kernel build, if not cached)
-        fn()
-    for rep in range(reps):
-        for name, (fn, _) in cases.items():  # alternate, so machine noise hits every case alike
-            times[name].append(_time(fn))
-        log(f"rep {rep + 1}/{reps}: " + ", ".join(f"{nm} {t[-1] * 1e3:.1f} ms" for nm, t in times.items()))
+
+
+def run(elements: int, reps: int, m: int = 4, device: str = "cpu", dtypes: Sequence[str] = ("float32",),
+        inner: int = 10) -> Dict[str, float]:
+    if device == "cpu" and K.backend() != "cpp":
+        log(f"fused kernels unavailable ({K._state['reason']}): fused figures measure the fallback")
+    if device == "cuda" and K.backend("cuda") != "triton":
+        log(f"Triton unavailable ({K._triton_state['reason']}): fused figures measure the reference")
     out: Dict[str, float] = {}
-    for name, (_, nbytes) in cases.items():
-        out[f"{name}_gbps"] = round(nbytes / median(times[name]) / 1e9, 3)
+    for dt in dtypes:
+        cases = _cases(elements, m, device, getattr(torch, dt))
+        timer = (lambda fn: _time_cuda(fn, inner)) if device == "cuda" else _time
+        times: Dict[str, List[float]] = {name: [] for name in cases}
+        for name, (fn, _) in cases.items():  # warm-up (and the kernel build / Triton compile)
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        for rep in range(reps):
+            for name, (fn, _) in cases.items():  # alternate, so machine noise hits every case alike
+                times[name].append(timer(fn))
+            log(f"{dt} rep {rep + 1}/{reps}: " + ", ".join(f"{nm} {t[-1] * 1e3:.2f} ms" for nm, t in times.items()))
+        sfx = SUFFIX[dt]
+        gbps = {name: nbytes / median(times[name]) / 1e9 for name, (_, nbytes) in cases.items()}
+        for name, v in gbps.items():
+            out[f"{name}{sfx}_gbps"] = round(v, 3)
+        for name in cases:
+            if name.endswith("_fused"):
+                out[f"{name}{sfx}_vs_copy"] = round(gbps[name] / gbps["copy"], 3)
     return out
 
 
 def main(argv=None) -> int:
     ap = parser("kernels", __doc__.split("\n\n")[0])
-    ap.add_argument("--mb", type=float, default=64.0, help="MB of float32 per input vector (default 64)")
+    ap.add_argument("--mb", type=float, default=64.0, help="MB of float32 per input vector (default 64); the "
+                    "element count is the same for every dtype")
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--m", type=int, default=4, help="vectors in the median stack")
+    ap.add_argument("--m", type=int, default=4, help="vectors in the median / trimmed-mean stack")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cpu: the C++ kernels; cuda: the Triton kernels (default cpu)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default=None,
+                    help="input dtype(s); default float32 on cpu, both on cuda (bf16 keys end in _bf16)")
     ap.add_argument("--quick", action="store_true", help="4 MB, 3 repetitions (smoke test)")
     args = ap.parse_args(argv)
     check_ranges(ap, args, {"--reps": 1, "--m": 1}, ["--mb"])  # nan MB fails in int(); 0 reps has no median
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here (torch.cuda.is_available() is False; torch "
+                 f"{torch.__version__})")
     mb, reps = (4.0, 3) if args.quick else (args.mb, args.reps)
     elements = int(mb * 2 ** 20 / 4)
     if elements < args.m:
         ap.error(f"--mb {mb:g} is too small for a median over --m {args.m} vectors")
-    res = run(elements, reps, args.m)
-    result = {**res, "backend": K.backend(), "threads": torch.get_num_threads(), "mb": mb,
-              "adasum_fused_vs_copy": round(res["adasum_fused_gbps"] / res["copy_gbps"], 3)}
+    dtype = args.dtype or ("both" if args.device == "cuda" else "float32")
+    dtypes = ["float32", "bfloat16"] if dtype == "both" else [dtype]
+    res = run(elements, reps, args.m, args.device, dtypes)
+    result = {**res, "device": args.device, "backend": K.backend(args.device), "dtypes": dtypes,
+              "threads": torch.get_num_threads(), "mb": mb}
+    if args.device == "cuda":
+        result["gpu"] = torch.cuda.get_device_name()
     emit(result, args.json)
     return 0

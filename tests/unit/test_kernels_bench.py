@@ -4,13 +4,34 @@ import json
 from pdv_ext.bench import aggregate, kernels
 
 KEYS = ["copy_gbps", "adasum_fused_gbps", "adasum_torch_gbps", "topk_fused_gbps", "topk_torch_gbps",
-        "median_fused_gbps", "median_torch_gbps"]
+        "median_fused_gbps", "median_torch_gbps", "trimmed_fused_gbps", "trimmed_torch_gbps",
+        "adasum_fused_vs_copy", "topk_fused_vs_copy", "median_fused_vs_copy", "trimmed_fused_vs_copy"]
 
 
 def test_kernels_bench_tiny(capsys):
     assert kernels.main(["--json", "--mb", "0.25", "--reps", "1"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert all(k in res and res[k] > 0 for k in KEYS)
+    assert res["device"] == "cpu" and res["dtypes"] == ["float32"]
+
+
+def test_kernels_bench_both_dtypes_on_cpu(capsys):
+    """bf16 inputs are reported beside float32 ones (keys ending in _bf16; on CPU they take the reference)."""
+    assert kernels.main(["--json", "--mb", "0.0625", "--reps", "1", "--dtype", "both"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert all(res[k] > 0 and res[k.replace("_gbps", "_bf16_gbps").replace("_vs_copy", "_bf16_vs_copy")] > 0
+               for k in KEYS)
+
+
+def test_kernels_bench_cuda_absent_is_a_clear_error(capsys, monkeypatch):
+    import pytest
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(kernels, "run", lambda *a, **k: pytest.fail("timed without CUDA"))
+    with pytest.raises(SystemExit) as e:
+        kernels.main(["--device", "cuda"])
+    assert e.value.code == 2 and "--device cuda: no CUDA device" in capsys.readouterr().err
 
 
 def test_gpt_shapes_fill_exactly():
