@@ -19,7 +19,7 @@ from pydantic import Field
 from .. import kernels
 from ..comm.base import Comm
 from ..config_base import StrictModel
-from .base import Aggregator, register_aggregator
+from .base import Aggregator, all_finite, register_aggregator
 from .groups import SmallGroups
 
 
@@ -51,9 +51,14 @@ def write_back(flat: torch.Tensor, grads: List[torch.Tensor]) -> List[torch.Tens
 
 
 def finite_rows(stack: torch.Tensor) -> torch.Tensor:
-    """Bool mask (on `stack`'s device) of the rows of a 2-D `stack` without NaN/Inf. One pass, no mask of
-    the stack's size, no host sync: min and max of a row are both finite exactly when every entry is
+    """Bool mask (on `stack`'s device) of the rows of a 2-D `stack` without NaN/Inf.
+
+    CPU: `all_finite` per row (a sum per row, the element-wise check only for a row whose sum overflows;
+    host branches cost nothing there, and a sum is ~9x cheaper than a min/max reduction on CPU). Other
+    devices: one pass and no host sync - a row's min and max are both finite exactly when every entry is
     (NaN propagates through both, +-inf shows in one), and unlike a sum they cannot overflow."""
+    if stack.device.type == "cpu":
+        return torch.tensor([all_finite([row]) for row in stack], dtype=torch.bool)
     if stack.shape[1] == 0:
         return torch.ones(stack.shape[0], dtype=torch.bool, device=stack.device)
     lo, hi = torch.aminmax(stack, dim=1)
