@@ -50,6 +50,15 @@ def write_back(flat: torch.Tensor, grads: List[torch.Tensor]) -> List[torch.Tens
     return grads
 
 
+#: "auto": CPU tensors take the host-friendly paths (branches on host values cost nothing there), other
+#: devices the sync-free ones; "device": every tensor takes the device paths (the tests run them on CPU)
+PATHS = "auto"
+
+
+def device_path(t: torch.Tensor) -> bool:
+    return PATHS == "device" or t.device.type != "cpu"
+
+
 def finite_rows(stack: torch.Tensor) -> torch.Tensor:
     """Bool mask (on `stack`'s device) of the rows of a 2-D `stack` without NaN/Inf.
 
@@ -57,7 +66,7 @@ def finite_rows(stack: torch.Tensor) -> torch.Tensor:
     host branches cost nothing there, and a sum is ~9x cheaper than a min/max reduction on CPU). Other
     devices: one pass and no host sync - a row's min and max are both finite exactly when every entry is
     (NaN propagates through both, +-inf shows in one), and unlike a sum they cannot overflow."""
-    if stack.device.type == "cpu":
+    if not device_path(stack):
         return torch.tensor([all_finite([row]) for row in stack], dtype=torch.bool)
     if stack.shape[1] == 0:
         return torch.ones(stack.shape[0], dtype=torch.bool, device=stack.device)
@@ -68,7 +77,7 @@ def finite_rows(stack: torch.Tensor) -> torch.Tensor:
 def to_host(*tensors: torch.Tensor) -> List[torch.Tensor]:
     """Small device tensors (masks, scores, a Gram matrix) as float64 CPU tensors of the same shapes, in
     ONE device-to-host copy: the single host sync an aggregation call may make (CPU tensors: no sync)."""
-    if all(t.device.type == "cpu" for t in tensors):
+    if not any(device_path(t) for t in tensors):
         return [t.to(torch.float64) for t in tensors]
     flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu()
     out, pos = [], 0

@@ -34,7 +34,7 @@ from ..config_base import StrictModel
 from .base import register_aggregator
 from .. import kernels
 from .robust import (RobustAggregator, bad_ranks, flat_dtype, flatten_as, require_some_finite, scatter_slices,
-                     exact, sum_partials, to_host)
+                     device_path, exact, sum_partials, to_host)
 
 
 #: columns per float64 block of the device dot products: never an (m, n) float64 copy of the candidates
@@ -44,7 +44,7 @@ BLOCK = 1 << 16
 def dots64(rows: torch.Tensor, v: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
     """(<rows_i, v>, |rows_i|^2) for every row, accumulated in float64 on the rows' device (no host sync),
     one column block at a time. CPU tensors take `kernels.adasum_dots` (fused C++), as before."""
-    if rows.device.type == "cpu":
+    if not device_path(rows):
         dot, g2, _ = kernels.adasum_dots(list(rows), [v] * rows.shape[0])
         return dot, g2
     m, n = rows.shape

@@ -262,3 +262,39 @@ def test_docs_example_of_a_sliced_robust_aggregator_runs():
             assert torch.equal(out, want)
     finally:
         AGGREGATORS._items.pop("coordinate_min_abs", None)  # registered by the example: leave the registry as found
+
+
+@pytest.mark.parametrize("m", [3, 4])
+@pytest.mark.parametrize("spec", [{"type": "median"}, {"type": "trimmed_mean", "b": 1}, {"type": "suspicion", "k": 1},
+                                  {"type": "zeno", "b": 1}])
+def test_device_code_paths_give_the_cpu_results(spec, m, monkeypatch):
+    """The sync-free paths CUDA takes (min/max finite check, float64 dot products on the device, one batched
+    host copy), run here on CPU tensors: same outputs bit for bit and the same decisions as the CPU paths,
+    with and without a non-finite rank; zeno's scores agree to float64 rounding (their sums' order differs)."""
+    from pdv_ext.aggregation import robust
+
+    def make(r):
+        g = grads_of(r, seed=3)
+        if r == 1:
+            g = [-4 * x for x in g]
+        if bad and r == m - 1:
+            g[2][1, 1, 1] = float("nan")
+            g[1][0] = float("-inf")
+        return g
+
+    def setup(agg, comm):
+        if spec["type"] == "zeno":
+            agg.set_validation_grads(grads_of(7 + comm.rank))
+
+    for bad in (False, True):
+        want = run(spec, m, make=make, setup=setup)
+        monkeypatch.setattr(robust, "PATHS", "device")
+        got = run(spec, m, make=make, setup=setup)
+        monkeypatch.setattr(robust, "PATHS", "auto")
+        for (o1, r1), (o2, r2) in zip(want, got):
+            assert torch.equal(o1, o2)
+            assert r1["dropped"] == r2["dropped"] and r1["nonfinite"] == r2["nonfinite"]
+            if "scores" in r1:
+                assert torch.allclose(torch.tensor(r1["scores"]), torch.tensor(r2["scores"]), rtol=1e-12, atol=0)
+            if bad:
+                assert m - 1 in r1["nonfinite"]
