@@ -1,10 +1,11 @@
 """Triton kernels of the kernel API, for CUDA tensors (and, under TRITON_INTERPRET=1, CPU tensors: the tests).
 
 One launch (or a few) per call over the whole tensor list, and no host synchronisation at all:
-- a list op sees its tensors as segments: a device table of their data pointers (int64, cast back with
-  `tl.pointer_type` in the kernel, as Triton's grouped-GEMM tutorial does) and, per program, the segment it
-  works on and where in it it starts. Those block tables depend only on the sizes and are cached; the
-  pointer table is a few bytes copied host-to-device without waiting (pinned, non_blocking) each call.
+- a list op sees its tensors as segments: a base address and a device table of each tensor's byte offset
+  from it (cast to a pointer in the kernel, `.to(REF.dtype)`, as Triton's grouped-GEMM tutorial casts its
+  pointer table) and, per program, the segment it works on and where in it it starts. The block tables
+  depend only on the sizes, the offset tables only on where the tensors lie relative to each other: both
+  are cached, and a miss is a few bytes copied host-to-device without waiting (pinned, non_blocking).
 - reductions (`adasum_dots`) write one partial per program and a second launch sums each segment's partials
   in a fixed order: deterministic, no atomics.
 - top-k: a fused pass builds acc = update + residual and its |acc| key; torch.topk on the device gives the
@@ -60,13 +61,26 @@ def _block_tables(sizes: Tuple[int, ...], device: torch.device, block: int):
     hit = (_upload(seg, device), _upload(start, device), _upload(list(sizes), device), _upload(first, device),
            len(seg))
     _tables[key] = hit
-    if len(_tables) > 64:
+    if len(_tables) > 256:
         _tables.popitem(last=False)
     return hit
 
 
-def _ptrs(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return _upload([t.data_ptr() for t in tensors], tensors[0].device)
+def _segments(tensors: Sequence[torch.Tensor]) -> Tuple[int, torch.Tensor]:
+    """(base address, device table of each tensor's byte offset from it). Cached by the offsets: a list whose
+    tensors keep their places relative to each other (pieces of one buffer, gradients that stay allocated)
+    costs no transfer after the first call. Zero-size tensors (never read) get offset 0."""
+    ptrs = [t.data_ptr() if t.numel() else None for t in tensors]
+    base = min((p for p in ptrs if p is not None), default=0)
+    key = (tuple(0 if p is None else p - base for p in ptrs), str(tensors[0].device))
+    table = _tables.get(key)
+    if table is None:
+        table = _tables[key] = _upload(list(key[0]), tensors[0].device)
+        if len(_tables) > 256:
+            _tables.popitem(last=False)
+    else:
+        _tables.move_to_end(key)
+    return base, table
 
 
 @triton.jit
@@ -86,13 +100,13 @@ def _to(x, P):
 
 # ---- adasum -----------------------------------------------------------------------------------------------
 @triton.jit
-def _dots_partial(A, B, REF, seg_of, start_of, sizes, part, nblocks, BLOCK: tl.constexpr):
+def _dots_partial(A, AO, B, BO, REF, seg_of, start_of, sizes, part, nblocks, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     seg = tl.load(seg_of + pid)
     offs = tl.load(start_of + pid) + tl.arange(0, BLOCK)
     mask = offs < tl.load(sizes + seg)
-    x = tl.load(tl.load(A + seg).to(REF.dtype) + offs, mask=mask, other=0.0).to(tl.float64)
-    y = tl.load(tl.load(B + seg).to(REF.dtype) + offs, mask=mask, other=0.0).to(tl.float64)
+    x = tl.load((A + tl.load(AO + seg)).to(REF.dtype) + offs, mask=mask, other=0.0).to(tl.float64)
+    y = tl.load((B + tl.load(BO + seg)).to(REF.dtype) + offs, mask=mask, other=0.0).to(tl.float64)
     tl.store(part + pid, tl.sum(x * y, axis=0))
     tl.store(part + nblocks + pid, tl.sum(x * x, axis=0))
     tl.store(part + 2 * nblocks + pid, tl.sum(y * y, axis=0))
@@ -117,21 +131,21 @@ def adasum_dots(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> Tuple[t
     out = torch.empty(3, len(a), dtype=torch.float64, device=dev)
     part = torch.empty(3, max(nblocks, 1), dtype=torch.float64, device=dev)
     if nblocks:
-        _dots_partial[(nblocks,)](_ptrs(a), _ptrs(b), a[0], seg, start, sizes, part, nblocks, BLOCK=BLOCK)
+        _dots_partial[(nblocks,)](*_segments(a), *_segments(b), a[0], seg, start, sizes, part, nblocks, BLOCK=BLOCK)
     _dots_reduce[(len(a),)](part, first, out, max(nblocks, 1), len(a), RB=256)
     return out[0], out[1], out[2]
 
 
 @triton.jit
-def _combine(A, B, O, REF, seg_of, start_of, sizes, CA, CB, BLOCK: tl.constexpr):
+def _combine(A, AO, B, BO, O, OO, REF, seg_of, start_of, sizes, CA, CB, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     seg = tl.load(seg_of + pid)
     offs = tl.load(start_of + pid) + tl.arange(0, BLOCK)
     mask = offs < tl.load(sizes + seg)
-    x = tl.load(tl.load(A + seg).to(REF.dtype) + offs, mask=mask, other=0.0).to(tl.float64)
-    y = tl.load(tl.load(B + seg).to(REF.dtype) + offs, mask=mask, other=0.0).to(tl.float64)
+    x = tl.load((A + tl.load(AO + seg)).to(REF.dtype) + offs, mask=mask, other=0.0).to(tl.float64)
+    y = tl.load((B + tl.load(BO + seg)).to(REF.dtype) + offs, mask=mask, other=0.0).to(tl.float64)
     r = x * tl.load(CA + seg) + y * tl.load(CB + seg)
-    po = tl.load(O + seg).to(REF.dtype)
+    po = (O + tl.load(OO + seg)).to(REF.dtype)
     tl.store(po + offs, _to(r, po), mask=mask)
 
 
@@ -143,7 +157,7 @@ def adasum_combine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ca: tor
         return
     ca64 = ca.to(device=dev, dtype=torch.float64, non_blocking=True).contiguous()
     cb64 = cb.to(device=dev, dtype=torch.float64, non_blocking=True).contiguous()
-    _combine[(nblocks,)](_ptrs(a), _ptrs(b), _ptrs(outs), a[0], seg, start, sizes, ca64, cb64, BLOCK=BLOCK,
+    _combine[(nblocks,)](*_segments(a), *_segments(b), *_segments(outs), a[0], seg, start, sizes, ca64, cb64, BLOCK=BLOCK,
                          enable_fp_fusion=False)
 
 

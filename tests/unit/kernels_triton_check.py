@@ -12,7 +12,7 @@ import sys
 import traceback
 
 DTYPES = ["float32", "bfloat16", "float16", "float64"]
-CASES = [f"{op}_{dt}" for op in ("dots", "combine", "topk", "median", "trimmed") for dt in DTYPES] + ["empty"]
+CASES = [f"{op}_{dt}" for op in ("dots", "combine", "topk", "median", "trimmed") for dt in DTYPES] + ["empty", "tables"]
 
 
 def main(cases):
@@ -124,12 +124,24 @@ def main(cases):
         assert [x.tolist() for x in K.adasum_dots(z, z)] == [[0.0, 0.0]] * 3
         assert [x.numel() for x in K.adasum_combine(z, z, torch.ones(2), torch.ones(2))] == [0, 0]
 
+    def tables(_):
+        """Cached tables are keyed by sizes / relative offsets: another buffer split alike reads its own data."""
+        sizes = [100, 0, 57, 143]
+        bufs = [torch.randn(300, generator=g) for _ in range(2)]
+        for buf in (bufs[0], bufs[1], bufs[0], bufs[1].double()):
+            a, b = list(buf.split(sizes)), list((buf * 2 - 1).split(sizes))
+            for x, y in zip(K.adasum_dots(a, b), R.adasum_dots(a, b)):
+                torch.testing.assert_close(x, y, rtol=1e-13, atol=1e-13)
+            c = torch.tensor([0.5, 1.0, -1.0, 2.0], dtype=torch.float64)
+            for x, y in zip(K.adasum_combine(a, b, c, c), R.adasum_combine(a, b, c, c)):
+                same(x, y)
+
     ops = {"dots": dots, "combine": combine, "topk": topk, "median": median, "trimmed": trimmed}
     out = {}
     for case in cases:
         op, _, dt = case.partition("_")
         try:
-            (empty if case == "empty" else ops[op])(getattr(torch, dt) if dt else None)
+            {"empty": empty, "tables": tables}.get(case, ops.get(op))(getattr(torch, dt) if dt else None)
             out[case] = "ok"
         except Exception:
             out[case] = traceback.format_exc(limit=4)[-2000:]
