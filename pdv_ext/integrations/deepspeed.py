@@ -310,15 +310,14 @@ class PDVPipelineEngine(PipelineEngine):
         return any(type(h).__name__ != "NonFiniteGuard" for h in self.grad_hooks)
 
     @contextlib.contextmanager
-    def _optimizer_grads_kept(self) -> Iterator[None]:
-        """Keep the BF16 optimizer's accumulated gradients through an extra backward (Zeno's validation
-        pass adds its gradients into the optimizer's buffers in "bf16" mode; `.grad` it restores itself)."""
-        if self.reduce_mode != "bf16":
-            yield
-            return
+    def _bf16_grads_set_aside(self) -> Iterator[None]:
+        """Zero the BF16 optimizer's gradient buffers for an extra backward pass and put the accumulated
+        gradients back afterwards (the pass adds into those buffers; `.grad` the pass restores itself)."""
         opt = self.optimizer
         saved = [f.clone() for f in opt.fp32_groups_gradients_flat]
         flags = [list(f) for f in opt.fp32_groups_has_gradients]
+        for f in opt.fp32_groups_gradients_flat:
+            f.zero_()
         try:
             yield
         finally:
@@ -326,13 +325,38 @@ class PDVPipelineEngine(PipelineEngine):
                 f.copy_(s)
             opt.fp32_groups_has_gradients[:] = flags
 
+    def _refresh_validation(self) -> None:
+        """Zeno: one validation micro-batch through the pipeline (pdv_ext.aggregation.validation), its
+        gradient handed over as the same tensors, order and dtype as the gradients aggregated."""
+        from ..aggregation.validation import reduction_params, refresh_validation
+
+        if self.reduce_mode == "engine":  # `.grad` of the module's parameters: the order aggregated
+            return refresh_validation(self)
+        agg, captured = self.aggregator, []
+        agg.set_validation_grads = captured.append  # shadows the method for this call
+        try:
+            if self.reduce_mode == "bf16":
+                with self._bf16_grads_set_aside():
+                    refresh_validation(self)
+                    if captured:  # the buffers now hold the validation pass's gradients, / the accumulation steps
+                        gas = float(self.gradient_accumulation_steps())
+                        captured[0] = [g.float() * gas for g in self.reduction_grads()]
+            else:  # ZeRO-1: `.grad` as computed, in the optimizer's parameter order
+                refresh_validation(self)
+                if captured:
+                    by_param = {id(p): g for p, g in zip(reduction_params(self), captured[0])}
+                    captured[0] = [by_param[id(p)].float() if by_param[id(p)].dtype == torch.bfloat16
+                                   else by_param[id(p)] for group in self.optimizer.bit16_groups for p in group
+                                   if p.numel() > 0]
+        finally:
+            del agg.set_validation_grads  # back to the class's method
+        if captured:
+            agg.set_validation_grads(captured[0])
+
     def aggregate_gradients(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         """Run the grad hooks and the aggregator over this stage's data-parallel group."""
         if self.aggregator.needs_validation:  # Zeno: one validation micro-batch through the pipeline
-            from ..aggregation.validation import refresh_validation
-
-            with self._optimizer_grads_kept():
-                refresh_validation(self)
+            self._refresh_validation()
         for hook in self.grad_hooks:
             grads = hook.before(self, grads)
         out = self.aggregator(grads, self.dp_comm)

@@ -96,6 +96,9 @@ def train_modes(modes: List[str], aggregators: List[Any], steps: int = 3, stages
                           "param_device": str(next(eng.module.parameters()).device)}
             if hasattr(eng, "aggregator"):
                 runs[name]["aggregator_steps"] = eng.aggregator.step
+                v = getattr(eng.aggregator, "_v", None)  # Zeno's validation gradient (flat), when it keeps one
+                if isinstance(v, torch.Tensor):
+                    runs[name]["validation_norm"] = float(v.double().norm())
             del eng
         out[mode] = runs
     return out
