@@ -6,6 +6,11 @@ median step of each, their ratio and whether every step's loss (and the final we
 `--precision fp32|bf16` and `--zero 0|1` pick DeepSpeed's mode for both engines (bf16 alone runs
 DeepSpeed's BF16_Optimizer, ZeRO-1 its DeepSpeedZeroOptimizer); the ranks run on CPU with gloo, where
 DeepSpeed has no fp16.
+
+The timed steps are split over two rounds with fresh engines, built vanilla-then-pdv in the first and
+pdv-then-vanilla in the second: under ZeRO-1 the engine built second ran 2-5% slower whichever it was
+(measured with bf16 + ZeRO-1: 1.05 / 1.00 vanilla first, 0.94 / 0.98 pdv first), which one fixed order
+would charge to one side. Each round restarts from the same seed; every step's loss is compared.
 """
 from __future__ import annotations
 
@@ -29,7 +34,9 @@ from .common import check_ranges, emit, log, median, parser
 
 
 def _rank(steps: int, warmup: int, layers: int, hidden: int, stages: int, micro_batch: int, grad_acc: int,
-          seed: int, precision: str = "fp32", zero: int = 0, grad_accum_dtype: Optional[str] = None) -> Dict[str, Any]:
+          seed: int, precision: str = "fp32", zero: int = 0, grad_accum_dtype: Optional[str] = None,
+          rounds: int = 1) -> Dict[str, Any]:
+    import gc
     import time
 
     import deepspeed
@@ -62,31 +69,43 @@ def _rank(steps: int, warmup: int, layers: int, hidden: int, stages: int, micro_
         engine = init(model=model, config=cfg, model_parameters=[p for p in model.parameters()])[0]
         return engine, batches(synthetic_batches(64, 10, micro_batch, seed=seed + engine.grid.get_data_parallel_id()))
 
-    vanilla, vdata = build(deepspeed.initialize)
-    pdv, pdata = build(pdv_ext.initialize)
     times: Dict[str, List[float]] = {"vanilla": [], "pdv": []}
     losses: Dict[str, List[float]] = {"vanilla": [], "pdv": []}
-    for i in range(warmup + steps):
-        order = [("vanilla", vanilla, vdata), ("pdv", pdv, pdata)]
-        if i % 2:
-            order.reverse()  # neither engine always goes first
-        for name, eng, data in order:
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = eng.train_batch(data_iter=data)
-            dt = time.perf_counter() - t0
-            if i >= warmup:
-                times[name].append(dt)
-            losses[name].append(float(loss))
-    same_weights = all(torch.equal(a, b) for a, b in zip(vanilla.module.parameters(), pdv.module.parameters()))
-    return {"times": times, "losses": losses, "same_weights": same_weights, "engine": type(pdv).__name__,
-            "optimizer": type(pdv.optimizer).__name__, "reduce_mode": getattr(pdv, "reduce_mode", None)}
+    same_weights, info = True, {}
+    per_round = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
+    for rnd, n in enumerate(per_round):
+        if n == 0:
+            continue
+        names = ("vanilla", "pdv") if rnd % 2 == 0 else ("pdv", "vanilla")  # neither is always built second
+        built = {name: build(pdv_ext.initialize if name == "pdv" else deepspeed.initialize) for name in names}
+        for i in range(warmup + n):
+            order = [("vanilla", *built["vanilla"]), ("pdv", *built["pdv"])]
+            if i % 2:
+                order.reverse()  # neither engine always goes first
+            for name, eng, data in order:
+                dist.barrier()
+                t0 = time.perf_counter()
+                loss = eng.train_batch(data_iter=data)
+                dt = time.perf_counter() - t0
+                if i >= warmup:
+                    times[name].append(dt)
+                losses[name].append(float(loss))
+        vanilla, pdv = built["vanilla"][0], built["pdv"][0]
+        same_weights = same_weights and all(torch.equal(a, b) for a, b in zip(vanilla.module.parameters(),
+                                                                              pdv.module.parameters()))
+        info = {"engine": type(pdv).__name__, "optimizer": type(pdv.optimizer).__name__,
+                "reduce_mode": getattr(pdv, "reduce_mode", None)}
+        del built, vanilla, pdv, eng
+        gc.collect()
+    return {"times": times, "losses": losses, "same_weights": same_weights, **info}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = parser("engine", __doc__)
     ap.add_argument("--steps", type=int, default=40, help="timed steps per engine")
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps per engine in each round")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="rounds with fresh engines, the build order swapped each round (steps split over them)")
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--layers", type=int, default=15)
@@ -105,7 +124,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.layers, args.hidden = 4, 1, 6, 32
-    check_ranges(ap, args, {"--steps": 1, "--warmup": 0, "--ranks": 1, "--stages": 1, "--layers": 2, "--hidden": 1,
+    check_ranges(ap, args, {"--steps": 1, "--warmup": 0, "--rounds": 1, "--ranks": 1, "--stages": 1, "--layers": 2,
+                            "--hidden": 1,
                             "--micro-batch": 1, "--grad-acc": 1}, ["--timeout"])
     if args.ranks % args.stages:  # DeepSpeed's pipeline grid: stages x data-parallel replicas
         ap.error(f"--stages ({args.stages}) must divide --ranks ({args.ranks})")
@@ -119,7 +139,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     res = run_ranks("pdv_ext.bench.engine:_rank", args.ranks,
                     dict(steps=args.steps, warmup=args.warmup, layers=args.layers, hidden=args.hidden,
                          stages=args.stages, micro_batch=args.micro_batch, grad_acc=args.grad_acc, seed=1234,
-                         precision=args.precision, zero=args.zero, grad_accum_dtype=args.grad_accum_dtype),
+                         precision=args.precision, zero=args.zero, grad_accum_dtype=args.grad_accum_dtype,
+                         rounds=args.rounds),
                     timeout=args.timeout)
     # a step's time is the slowest rank's
     step = {k: [max(r["times"][k][i] for r in res) for i in range(len(res[0]["times"][k]))] for k in ("vanilla", "pdv")}
