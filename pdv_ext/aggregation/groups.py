@@ -5,8 +5,9 @@ The same `"pdv"` section must run on every topology where the algorithm is defin
 option needs more ranks than the group has does not fail at its first step: it runs with the option
 clamped to the largest value the group supports, and says so once (a `GroupSizeWarning` naming the key),
 e.g. `pdv.aggregation.b=2 clamped to 0 for a data-parallel group of 2`. At `m = 1` every built-in is the
-identity, silently (there is no other replica to tolerate or talk to). Undefined cases (none among the built-ins; a plug-in may have some) are errors that
-`pdv check-config --world-size N --stages S` reports before launch.
+identity, silently (there is no other replica to tolerate or talk to). Undefined cases (none among the
+built-ins; a plug-in may have some) are errors that `pdv check-config --world-size N --stages S` reports
+before launch.
 
 An aggregator takes part by listing its group-dependent options in `group_limits` (option key -> the
 largest value a group of m ranks supports) and mixing in `SmallGroups`. The engine may call
