@@ -38,8 +38,9 @@ def adasum_combine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ca: tor
     (moved to the device without a host round trip)."""
     if not len(a):
         return list(out) if out is not None else []
-    ca64 = ca.to(device=_device(a), dtype=F64, non_blocking=True)
-    cb64 = cb.to(device=_device(a), dtype=F64, non_blocking=True)
+    dev = _device(a)  # a copy to the host must complete before it is read: only copies to a device overlap
+    ca64 = ca.to(device=dev, dtype=F64, non_blocking=dev.type != "cpu")
+    cb64 = cb.to(device=dev, dtype=F64, non_blocking=dev.type != "cpu")
     res = []
     for i, (x, y) in enumerate(zip(a, b)):
         val = (x.to(F64) * ca64[i] + y.to(F64).reshape(x.shape) * cb64[i]).to(x.dtype)

@@ -89,13 +89,15 @@ def _to(x, P):
     to nearest-even by hand (Triton's interpreter truncates; compiled, this is what cvt.rn does)."""
     ty = P.dtype.element_ty
     if ty.is_bf16():
-        x = x.to(tl.float32)
-        b = x.to(tl.int32, bitcast=True)  # int32 wraps like uint32; only the low 16 bits of >> 16 are kept
-        r = tl.where(x != x, b | 0x400000, b + 0x7FFF + ((b >> 16) & 1))
-        return (r >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    if ty.is_fp16():
-        x = x.to(tl.float32)
-    return x.to(ty)
+        f = x.to(tl.float32)
+        b = f.to(tl.int32, bitcast=True)  # int32 wraps like uint32; only the low 16 bits of >> 16 are kept
+        r = tl.where(f != f, b | 0x400000, b + 0x7FFF + ((b >> 16) & 1))
+        y = (r >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    elif ty.is_fp16():
+        y = x.to(tl.float32).to(ty)
+    else:
+        y = x.to(ty)
+    return y
 
 
 # ---- adasum -----------------------------------------------------------------------------------------------
@@ -155,10 +157,10 @@ def adasum_combine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ca: tor
     seg, start, sizes, _, nblocks = _block_tables(tuple(t.numel() for t in a), dev, BLOCK)
     if not nblocks:
         return
-    ca64 = ca.to(device=dev, dtype=torch.float64, non_blocking=True).contiguous()
-    cb64 = cb.to(device=dev, dtype=torch.float64, non_blocking=True).contiguous()
-    _combine[(nblocks,)](*_segments(a), *_segments(b), *_segments(outs), a[0], seg, start, sizes, ca64, cb64, BLOCK=BLOCK,
-                         enable_fp_fusion=False)
+    ca64 = ca.to(device=dev, dtype=torch.float64, non_blocking=dev.type != "cpu").contiguous()
+    cb64 = cb.to(device=dev, dtype=torch.float64, non_blocking=dev.type != "cpu").contiguous()
+    _combine[(nblocks,)](*_segments(a), *_segments(b), *_segments(outs), a[0], seg, start, sizes, ca64, cb64,
+                         BLOCK=BLOCK, enable_fp_fusion=False)
 
 
 # ---- top-k with error feedback ------------------------------------------------------------------------------
