@@ -14,7 +14,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["pdv_ext", "pdv_ext.*"]),
     package_data={"pdv_ext": ["data/*.json", "data/*.md", "py.typed"]},
-    # the C++ sources of the fused ops, JIT-built at first use (pdv_ext/kernels.py finds them here)
+    # the C++ sources of the fused ops, JIT-built at first use (pdv_ext/kernels/cpu.py finds them here)
     data_files=[("share/pdv_ext/kernels", sorted(glob.glob("kernels/*.cpp")))],
     install_requires=["torch", "deepspeed", "pyyaml", "pydantic>=2", "numpy"],
     extras_require={
