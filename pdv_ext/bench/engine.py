@@ -102,7 +102,7 @@ def _rank(steps: int, warmup: int, layers: int, hidden: int, stages: int, micro_
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = parser("engine", __doc__)
-    ap.add_argument("--steps", type=int, default=40, help="timed steps per engine")
+    ap.add_argument("--steps", type=int, default=100, help="timed steps per engine (split over the rounds)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps per engine in each round")
     ap.add_argument("--rounds", type=int, default=2,
                     help="rounds with fresh engines, the build order swapped each round (steps split over them)")
