@@ -305,6 +305,12 @@ class PDVPipelineEngine(PipelineEngine):
         if errors:
             raise ConfigError(errors)
 
+    @property
+    def uses_deepspeed_reduction(self) -> bool:
+        """Whether ReduceGrads runs DeepSpeed's own reduction (`mean` in "bf16" mode, and in "zero" mode
+        while no grad hook reads the gradients); otherwise the aggregator does the reduction."""
+        return self._native_reduce and (self.reduce_mode == "bf16" or not self._grads_watched())
+
     def _grads_watched(self) -> bool:
         """Whether a grad hook other than the (passive under `mean`) non-finite guard wants the gradients."""
         return any(type(h).__name__ != "NonFiniteGuard" for h in self.grad_hooks)
@@ -426,7 +432,7 @@ class PDVPipelineEngine(PipelineEngine):
     def _exec_pdv_reduce_grads(self) -> None:
         if not self.pipeline_enable_backward_allreduce:
             return PipelineEngine._exec_reduce_grads(self)
-        if self._native_reduce and (self.reduce_mode == "bf16" or not self._grads_watched()):
+        if self.uses_deepspeed_reduction:
             return self._native_mean()
         # the aggregator takes over (under ZeRO-1 also `mean` while a hook watches the gradients: ZeRO
         # leaves only this rank's partition reduced, the hooks need the whole average)

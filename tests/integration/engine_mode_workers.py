@@ -77,7 +77,8 @@ def train_modes(modes: List[str], aggregators: List[Any], steps: int = 3, stages
                 spec = {"type": agg} if isinstance(agg, str) else dict(agg)
                 name, init = spec.get("label", spec["type"]), pdv_ext.initialize
                 spec.pop("label", None)
-                cfg["pdv"] = {"aggregation": spec}
+                extra = spec.pop("pdv_extra", {})  # other "pdv" sub-sections (e.g. a policy Monitor)
+                cfg["pdv"] = {"aggregation": spec, **extra}
             kwargs = {}
             if agg is not None:  # trusted validation data for Zeno (first and last stage read it)
                 kwargs["validation_iter"] = cast_batches(synthetic_batches(16, 4, micro_batch, seed=seed + 1000),
@@ -91,9 +92,12 @@ def train_modes(modes: List[str], aggregators: List[Any], steps: int = 3, stages
                           "weights": {n: p.detach().float().clone() for n, p in eng.module.named_parameters()},
                           "optimizer": type(eng.optimizer).__name__,
                           "reduce_mode": getattr(eng, "reduce_mode", None),
-                          "native": getattr(eng, "_native_reduce", None),
+                          "native": getattr(eng, "uses_deepspeed_reduction", None),
                           "stage": eng.stage_id, "dp_id": eng.grid.get_data_parallel_id(),
                           "param_device": str(next(eng.module.parameters()).device)}
+            glue = getattr(eng, "pdv_policy", None)
+            if glue is not None:  # what the Monitor measured at the last step
+                runs[name]["metrics"] = {k: v for k, v in glue.last_metrics.items() if isinstance(v, (int, float))}
             if hasattr(eng, "aggregator"):
                 runs[name]["aggregator_steps"] = eng.aggregator.step
                 v = getattr(eng.aggregator, "_v", None)  # Zeno's validation gradient (flat), when it keeps one

@@ -18,6 +18,8 @@ EXPECTED = {
     "bf16_zero1_fp32acc": ("BF16_Optimizer", "bf16"),  # bf16 + ZeRO-1 with fp32 gradient accumulation
 }
 PLAIN_MEAN = {"type": "tests.integration.engine_mode_workers:PlainMean", "label": "plain_mean"}
+#: `mean` with the policy Monitor reading the gradients around the reduction
+WATCHED_MEAN = {"type": "mean", "label": "watched_mean", "pdv_extra": {"policy": {"monitor": {"enabled": True}}}}
 
 
 def _by_stage(res, mode, name):
@@ -34,7 +36,7 @@ def test_mean_is_bit_identical_and_a_takeover_averages_like_deepspeed():
     average given as another aggregator goes through the takeover path and matches up to rounding."""
     modes = list(EXPECTED)
     res = run_ranks("tests.integration.engine_mode_workers:train_modes", 4,
-                    dict(modes=modes, aggregators=["mean", PLAIN_MEAN], optimizer="SGD", lr=1.0, steps=3),
+                    dict(modes=modes, aggregators=["mean", PLAIN_MEAN, WATCHED_MEAN], optimizer="SGD", lr=1.0, steps=3),
                     timeout=280)
     for mode in modes:
         for r in res:
@@ -51,6 +53,17 @@ def test_mean_is_bit_identical_and_a_takeover_averages_like_deepspeed():
             off = max(float((plain["weights"][n] - w).abs().max()) for n, w in van["weights"].items())
             assert moved > 5e-3 and off <= 0.25 * moved, (mode, off, moved)
             assert all(abs(a - b) <= 0.02 * abs(b) for a, b in zip(plain["losses"], van["losses"])), mode
+            # a Monitor reads the gradients: under BF16_Optimizer around DeepSpeed's reduction (still identical),
+            # under ZeRO-1 (which leaves only a partition averaged) pdv's Mean takes over (equal up to rounding)
+            watched = runs["watched_mean"]
+            assert watched["metrics"], mode
+            if EXPECTED[mode][1] == "bf16":
+                assert watched["native"] is True and watched["losses"] == van["losses"], mode
+                assert all(torch.equal(watched["weights"][n], w) for n, w in van["weights"].items()), mode
+            else:
+                assert watched["native"] is False, mode
+                off = max(float((watched["weights"][n] - w).abs().max()) for n, w in van["weights"].items())
+                assert off <= 0.25 * moved, (mode, off, moved)
 
 
 @pytest.mark.timeout(300)
