@@ -1,5 +1,5 @@
-"""GPU tier: PDVPipelineEngine on one CUDA GPU with nccl in fp32, fp16, bf16, ZeRO-1 and bf16 + ZeRO-1
-(issue #20 item 3). Skipped without CUDA (tests/conftest.py).
+"""GPU tier: PDVPipelineEngine on one CUDA GPU with nccl in fp32, fp16, bf16, ZeRO-1, bf16 + ZeRO-1 and
+fp16 + ZeRO-1 (issue #20 item 3). Skipped without CUDA (tests/conftest.py).
 
 One GPU is one NCCL rank (NCCL refuses two ranks on a device), so the data-parallel width is 1: an
 aggregator then returns its input (adasum of one gradient is that gradient), but the engine's whole
@@ -24,15 +24,16 @@ import torch
 pytestmark = pytest.mark.gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MODES = ["fp32", "fp16", "bf16", "zero1", "bf16_zero1", "bf16_zero1_fp32acc"]
-#: mode -> (DeepSpeed optimizer wrapper, PDVPipelineEngine.reduce_mode)
+MODES = ["fp32", "fp16", "bf16", "zero1", "bf16_zero1", "bf16_zero1_fp32acc", "fp16_zero1"]
+#: mode -> (DeepSpeed optimizer wrapper(s), PDVPipelineEngine.reduce_mode)
 EXPECTED = {
     "fp32": ("AdamW", "engine"),
-    "fp16": ("FP16_Optimizer", "engine"),
+    "fp16": ("FP16_Optimizer FP16_UnfusedOptimizer", "engine"),  # unfused with torch's AdamW
     "bf16": ("BF16_Optimizer", "bf16"),
     "zero1": ("DeepSpeedZeroOptimizer", "zero"),
     "bf16_zero1": ("DeepSpeedZeroOptimizer", "zero"),
     "bf16_zero1_fp32acc": ("BF16_Optimizer", "bf16"),
+    "fp16_zero1": ("DeepSpeedZeroOptimizer", "zero"),
 }
 AGGREGATORS = ["mean", "adasum", "median", {"type": "zeno", "b": 0}, {"type": "suspicion", "k": 0}]
 STEPS = 4
@@ -57,7 +58,8 @@ def test_engine_modes_on_one_gpu(runs, mode):
     assert van["param_device"].startswith("cuda")
     for name in ("mean", "adasum", "median", "zeno", "suspicion"):
         run = res[name]
-        assert (run["optimizer"], run["reduce_mode"]) == EXPECTED[mode], (mode, name)
+        wrappers, reduce_mode = EXPECTED[mode]
+        assert run["optimizer"] in wrappers.split() and run["reduce_mode"] == reduce_mode, (mode, name, run["optimizer"])
         assert all(math.isfinite(x) for x in run["losses"]), (mode, name, run["losses"])
         assert any(not torch.equal(w, run["initial"][n]) for n, w in run["weights"].items()), (mode, name)
         if name != "mean":

@@ -16,6 +16,7 @@ MODES: Dict[str, Dict[str, Any]] = {
     "bf16": {"bf16": {"enabled": True}},
     "zero1": {"zero_optimization": {"stage": 1}},
     "bf16_zero1": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}},
+    "fp16_zero1": {"fp16": {"enabled": True, "initial_scale_power": 8}, "zero_optimization": {"stage": 1}},
     # bf16 weights with fp32 gradient accumulation under ZeRO-1: DeepSpeed picks its BF16_Optimizer
     "bf16_zero1_fp32acc": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
                            "data_types": {"grad_accum_dtype": "fp32"}},
