@@ -64,11 +64,10 @@ def abs_key(acc: torch.Tensor) -> torch.Tensor:
 
 def compact(take: torch.Tensor, k: int) -> torch.Tensor:
     """Ascending indices of the True entries of `take`, known to number exactly k, without the host sync
-    of nonzero(): each taken entry is scattered to its rank among the taken; the rest go to a spare slot."""
-    pos = torch.where(take, take.cumsum(0) - 1, k)
-    idx = torch.empty(k + 1, dtype=torch.int64, device=take.device)
-    idx.scatter_(0, pos, torch.arange(take.numel(), device=take.device))
-    return idx[:k]
+    of nonzero(): the j-th taken entry is where the running count first reaches j + 1 (a binary search;
+    deterministic, unlike a scatter, under torch.use_deterministic_algorithms)."""
+    count = take.cumsum(0)
+    return torch.searchsorted(count, torch.arange(1, k + 1, device=take.device))
 
 
 def topk_error_feedback(update: torch.Tensor, residual: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
