@@ -111,7 +111,8 @@ def test_median_and_trimmed_mean_on_cuda_match_reference(impl, dt):
         got = K.coordinate_median(s.cuda())
         assert got.device.type == "cuda" and got.shape == s.shape[1:]
         same(got, R.coordinate_median(s))
-        for trim in range((s.shape[0] - 1) // 2 + 1):
+        top = (s.shape[0] - 1) // 2
+        for trim in range(top + 1) if s.shape[0] <= 16 else (0, 1, top):
             same(K.trimmed_mean(s.cuda(), trim), R.trimmed_mean(s, trim))
 
 
