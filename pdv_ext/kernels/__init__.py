@@ -80,20 +80,25 @@ def backend(device="cpu") -> str:
     return cpu.backend() if dev.type == "cpu" else "torch"
 
 
-def _impl(tensors: Sequence[torch.Tensor]):
-    """The implementation module for one call (`tensors` non-empty, on one device)."""
+def _choose(sig: List[tuple]):
+    """The implementation module for a call whose tensors have signature `sig` (one device, non-empty)."""
     mode = os.environ.get("PDV_KERNELS", "").lower()
-    if mode == "torch":
+    dtypes = {s[1] for s in sig}
+    if mode == "torch" or len(dtypes) != 1:  # (mixed dtypes: the reference, tensor by tensor)
         return reference
-    dev, dt = tensors[0].device, tensors[0].dtype
-    if (dev.type == "cuda" or mode == "triton") and dt in _TRITON_DTYPES and all(t.dtype == dt for t in tensors):
+    dt, dev = dtypes.pop(), sig[0][2]
+    if (dev.type == "cuda" or mode == "triton") and dt in _TRITON_DTYPES:
         return _triton() or reference
-    if dev.type == "cpu" and cpu.supports(tensors):
+    if dev.type == "cpu" and dt in cpu.FAST_DTYPES and cpu.available():
         return cpu
     return reference
 
 
-# ---- argument checks ---------------------------------------------------------------------------------
+def _impl(tensors: Sequence[torch.Tensor]):
+    return _choose(_sig(tensors))
+
+
+# ---- argument checks (a Python loop per tensor costs ~1 us: one pass, compared as lists) ----------------
 def _list(name: str, ts) -> List[torch.Tensor]:
     ts = list(ts)
     for i, t in enumerate(ts):
@@ -102,17 +107,36 @@ def _list(name: str, ts) -> List[torch.Tensor]:
     return ts
 
 
-def _like(name: str, ts: Sequence[torch.Tensor], ref_name: str, ref: Sequence[torch.Tensor]) -> None:
-    """`ts` pairs with `ref` tensor by tensor: same count, sizes, dtypes, device."""
-    if len(ts) != len(ref):
-        raise ValueError(f"{name}: {len(ts)} tensors, {ref_name} has {len(ref)}")
-    for i, (t, r) in enumerate(zip(ts, ref)):
-        if t.numel() != r.numel():
-            raise ValueError(f"{name}[{i}]: {t.numel()} elements, {ref_name}[{i}] has {r.numel()}")
-        if t.dtype != r.dtype:
-            raise ValueError(f"{name}[{i}]: dtype {t.dtype}, {ref_name}[{i}] is {r.dtype}")
-        if t.device != ref[0].device:
-            raise ValueError(f"{name}[{i}]: on {t.device}, {ref_name}[0] is on {ref[0].device}")
+def _sig(ts: Sequence[torch.Tensor]) -> List[tuple]:
+    return [(t.numel(), t.dtype, t.device) for t in ts]
+
+
+def _first(name: str, ts) -> Tuple[List[torch.Tensor], List[tuple]]:
+    """The first tensor list of a call, all on one device; returns it and its signature."""
+    ts = _list(name, ts)
+    sig = _sig(ts)
+    if len({s[2] for s in sig}) > 1:
+        i = next(i for i, s in enumerate(sig) if s[2] != sig[0][2])
+        raise ValueError(f"{name}[{i}]: on {sig[i][2]}, {name}[0] is on {sig[0][2]}")
+    return ts, sig
+
+
+def _like(name: str, ts, ref_name: str, ref_sig: List[tuple]) -> List[torch.Tensor]:
+    """`ts` pairs with the list of signature `ref_sig` tensor by tensor: same count, sizes, dtypes, device."""
+    ts = _list(name, ts)
+    sig = _sig(ts)
+    if sig == ref_sig:
+        return ts
+    if len(sig) != len(ref_sig):
+        raise ValueError(f"{name}: {len(sig)} tensors, {ref_name} has {len(ref_sig)}")
+    for i, ((n, dt, dev), (rn, rdt, rdev)) in enumerate(zip(sig, ref_sig)):
+        if n != rn:
+            raise ValueError(f"{name}[{i}]: {n} elements, {ref_name}[{i}] has {rn}")
+        if dt != rdt:
+            raise ValueError(f"{name}[{i}]: dtype {dt}, {ref_name}[{i}] is {rdt}")
+        if dev != rdev:
+            raise ValueError(f"{name}[{i}]: on {dev}, {ref_name}[{i}] is on {rdev}")
+    return ts
 
 
 def _coefficients(name: str, c, n: int) -> torch.Tensor:
@@ -128,26 +152,22 @@ def _dense(ts: Sequence[torch.Tensor]) -> List[torch.Tensor]:
 
 # ---- the API ------------------------------------------------------------------------------------------
 def adasum_dots(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    a, b = _list("a", a), _list("b", b)
-    _like("a", a, "a", a)
-    _like("b", b, "a", a)
+    a, sig = _first("a", a)
+    b = _like("b", b, "a", sig)
     if not a:
         return reference.adasum_dots(a, b)
-    return _impl(a).adasum_dots(_dense(a), _dense(b))
+    return _choose(sig).adasum_dots(_dense(a), _dense(b))
 
 
 def adasum_combine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ca: torch.Tensor, cb: torch.Tensor,
                    out: Optional[Sequence[torch.Tensor]] = None) -> List[torch.Tensor]:
-    a, b = _list("a", a), _list("b", b)
-    _like("a", a, "a", a)
-    _like("b", b, "a", a)
-    outs = None if out is None else _list("out", out)
-    if outs is not None:
-        _like("out", outs, "a", a)
+    a, sig = _first("a", a)
+    b = _like("b", b, "a", sig)
+    outs = None if out is None else _like("out", out, "a", sig)
     ca, cb = _coefficients("ca", ca, len(a)), _coefficients("cb", cb, len(a))
     if not a:
         return outs if outs is not None else []
-    impl = _impl(a)
+    impl = _choose(sig)
     if impl is reference:
         return reference.adasum_combine(a, b, ca, cb, outs)
     if outs is None:
@@ -161,7 +181,7 @@ def adasum_combine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ca: tor
 
 
 def topk_error_feedback(update: torch.Tensor, residual: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    _like("residual", _list("residual", [residual]), "update", _list("update", [update]))
+    _like("residual", [residual], "update", _first("update", [update])[1])
     n = update.numel()
     k = max(0, min(int(k), n))
     impl = _impl([update])

@@ -23,7 +23,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 SOURCE = next((p for p in (os.path.join(_ROOT, "kernels", "pdv_kernels.cpp"),
                            os.path.join(sys.prefix, "share", "pdv_ext", "kernels", "pdv_kernels.cpp"))
                if os.path.exists(p)), os.path.join(_ROOT, "kernels", "pdv_kernels.cpp"))
-_FAST_DTYPES = (torch.float32, torch.float64)
+#: the dtypes the C++ kernels take
+FAST_DTYPES = (torch.float32, torch.float64)
 
 
 # ---- loading the C++ extension --------------------------------------------------------------------
@@ -194,11 +195,9 @@ def _module():
         return _state["module"]
 
 
-def supports(tensors: Sequence[torch.Tensor]) -> bool:
-    """CPU tensors of one dtype, float32 or float64, and the extension loaded (built on first ask)."""
-    dt = tensors[0].dtype if len(tensors) else None
-    return (dt in _FAST_DTYPES and all(t.device.type == "cpu" and t.dtype == dt for t in tensors)
-            and _module() is not None)
+def available() -> bool:
+    """The extension is loaded (built on the first ask)."""
+    return _module() is not None
 
 
 # ---- calls (contiguous inputs; `pdv_ext.kernels` copies strided ones and writes strided outputs back) ----
