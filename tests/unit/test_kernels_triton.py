@@ -46,10 +46,10 @@ def test_triton_kernel_matches_reference(results, case):
 def test_triton_kernels_compile_for_h100():
     """Every kernel compiled for sm_90 (Triton's compiler and bundled ptxas; no GPU needed): what the
     interpreter does not check - types and ops of the compiled code."""
-    try:
-        import triton.backends.compiler  # noqa: F401  (the AOT entry point used by the check)
-    except Exception as e:
-        pytest.skip(f"triton's compiler unavailable: {e}")
+    probe = subprocess.run([sys.executable, "-c", "from triton.backends.compiler import GPUTarget"],
+                           capture_output=True, text=True)  # (not imported here: this process stays triton-free)
+    if probe.returncode:
+        pytest.skip(f"triton's compiler unavailable: {probe.stderr.strip().splitlines()[-1:]}")
     res = _check("--compile")
     bad = {k: v for k, v in res.items() if v != "ok"}
     assert len(res) > 30 and not bad, bad
