@@ -21,6 +21,7 @@ Every function takes contiguous inputs, non-empty (`pdv_ext.kernels` sees to bot
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import List, Sequence, Tuple
 
@@ -32,38 +33,50 @@ import triton.language as tl
 BLOCK = 4096
 #: elements (columns x padded rows) per program of median / trimmed mean
 SORT_TILE = 4096
-_tables: "OrderedDict[tuple, tuple]" = OrderedDict()
+_tables: "OrderedDict[tuple, object]" = OrderedDict()  # LRU of device tables; ranks may be threads: locked
+_tables_lock = threading.Lock()
 
 
 # ---- tables --------------------------------------------------------------------------------------------
 def _upload(values: List[int], device: torch.device) -> torch.Tensor:
-    """int64 values on the device without a host wait: pinned host memory, asynchronous copy."""
+    """int64 values on the device without a host wait: pinned host memory, asynchronous copy on the current
+    stream, where the table is first used. (A cached table reused at once from another stream could be read
+    before it lands; the aggregators launch on one stream per device.)"""
     t = torch.tensor(values, dtype=torch.int64)
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t
 
 
-def _block_tables(sizes: Tuple[int, ...], device: torch.device, block: int):
-    """(segment of each program, its first element, segment sizes, first program of each segment + end):
-    depend only on the sizes, so cached (an aggregator passes the same tensor sizes every step)."""
-    key = (sizes, str(device), block)
-    hit = _tables.get(key)
-    if hit is not None:
-        _tables.move_to_end(key)
-        return hit
-    seg, start, first = [], [], [0]
-    for i, n in enumerate(sizes):
-        nb = -(-n // block)
-        seg += [i] * nb
-        start += range(0, nb * block, block)
-        first.append(first[-1] + nb)
-    hit = (_upload(seg, device), _upload(start, device), _upload(list(sizes), device), _upload(first, device),
-           len(seg))
-    _tables[key] = hit
-    if len(_tables) > 256:
-        _tables.popitem(last=False)
+def _cached(key: tuple, make):
+    """_tables[key], made by make() on a miss; least recently used entries beyond 256 dropped."""
+    with _tables_lock:
+        hit = _tables.get(key)
+        if hit is not None:
+            _tables.move_to_end(key)
+            return hit
+    hit = make()
+    with _tables_lock:
+        _tables[key] = hit
+        if len(_tables) > 256:
+            _tables.popitem(last=False)
     return hit
+
+
+def _block_tables(sizes: Tuple[int, ...], device: torch.device, block: int):
+    """(segment of each program, its first element, segment sizes, first program of each segment + end,
+    number of programs): depend only on the sizes, so cached (an aggregator passes the same sizes every step)."""
+    def make():
+        seg, start, first = [], [], [0]
+        for i, n in enumerate(sizes):
+            nb = -(-n // block)
+            seg += [i] * nb
+            start += range(0, nb * block, block)
+            first.append(first[-1] + nb)
+        return (_upload(seg, device), _upload(start, device), _upload(list(sizes), device),
+                _upload(first, device), len(seg))
+
+    return _cached((sizes, str(device), block), make)
 
 
 def _segments(tensors: Sequence[torch.Tensor]) -> Tuple[int, torch.Tensor]:
@@ -72,15 +85,8 @@ def _segments(tensors: Sequence[torch.Tensor]) -> Tuple[int, torch.Tensor]:
     costs no transfer after the first call. Zero-size tensors (never read) get offset 0."""
     ptrs = [t.data_ptr() if t.numel() else None for t in tensors]
     base = min((p for p in ptrs if p is not None), default=0)
-    key = (tuple(0 if p is None else p - base for p in ptrs), str(tensors[0].device))
-    table = _tables.get(key)
-    if table is None:
-        table = _tables[key] = _upload(list(key[0]), tensors[0].device)
-        if len(_tables) > 256:
-            _tables.popitem(last=False)
-    else:
-        _tables.move_to_end(key)
-    return base, table
+    offsets = tuple(0 if p is None else p - base for p in ptrs)
+    return base, _cached((offsets, str(tensors[0].device)), lambda: _upload(list(offsets), tensors[0].device))
 
 
 @triton.jit
