@@ -7,8 +7,9 @@ Standalone use in any torch.distributed program::
     out = build_aggregator({"type": "adasum"}).aggregate(tensors, TorchComm())
 """
 from .base import AGGREGATORS, Aggregator, build_aggregator, register_aggregator
+from .groups import GroupSizeWarning, bind_group
 from . import mean  # noqa: F401  (registers built-ins)
 from . import adasum  # noqa: F401  (registers built-ins)
 from . import robust, suspicion, zeno, gossip  # noqa: F401,E401  (registers built-ins)
 
-__all__ = ["AGGREGATORS", "Aggregator", "build_aggregator", "register_aggregator"]
+__all__ = ["AGGREGATORS", "Aggregator", "GroupSizeWarning", "bind_group", "build_aggregator", "register_aggregator"]

@@ -214,7 +214,7 @@ class NonFiniteGuard:
         self._ok = all_finite(grads)
         if not getattr(aggregator, "replicas_identical", True):
             # replicas may differ (gossip): agree up front, one all-reduce of one scalar
-            flag = torch.tensor([0.0 if self._ok else 1.0], dtype=torch.float64)
+            flag = torch.tensor([0.0 if self._ok else 1.0], dtype=torch.float64, device=comm.payload_device)
             comm.all_reduce(flag, "max")
             if flag.item() > 0:
                 self._raise(aggregator, comm, step)
@@ -231,7 +231,8 @@ class NonFiniteGuard:
             self._raise(aggregator, comm, step)
 
     def _raise(self, aggregator: Any, comm: Comm, step: int) -> None:
-        flags = comm.all_gather(torch.tensor([0.0 if self._ok else 1.0], dtype=torch.float64))
+        flags = comm.all_gather(torch.tensor([0.0 if self._ok else 1.0], dtype=torch.float64,
+                                             device=comm.payload_device))
         ranks = [r for r, f in enumerate(flags) if f.item() > 0]
         name = getattr(aggregator, "name", type(aggregator).__name__)
         where = "data-parallel rank(s) " + ", ".join(map(str, ranks))

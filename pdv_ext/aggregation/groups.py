@@ -117,3 +117,11 @@ def group_notes(spec: Any, size: int) -> Tuple[List[str], List[str]]:
     notes = [clamp_line(k, w, g, size, why) for k, w, g, why in clamps(size)] if clamps else []
     errs = getattr(agg, "group_errors", None)
     return notes, (errs(size) if errs else [])
+
+
+def bind_group(aggregator: Any, comm: Any) -> None:
+    """Fit `aggregator` to `comm`'s group now, when it has group-dependent options: a clamp warns (or a
+    group it cannot run on fails) when the aggregator is chosen, not at its first step."""
+    bind = getattr(aggregator, "bind", None)
+    if callable(bind):
+        bind(comm.size, comm.rank)

@@ -34,6 +34,12 @@ class Comm:
     #: a short name for logs and benchmarks ("torch", "horovod", "local")
     backend: str = "abstract"
 
+    @property
+    def payload_device(self) -> torch.device:
+        """Where small host-made payloads (scalars, pickled objects) travel: the CPU, except on backends
+        that reduce device tensors only (NCCL), where it is the current GPU."""
+        return torch.device("cpu")
+
     # ---- primitives -------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce `tensor` in place across the group; returns it."""
@@ -95,25 +101,26 @@ class Comm:
 
     def all_gather_object(self, obj: Any) -> List[Any]:
         """Every rank's picklable `obj`, by group rank."""
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        return [pickle.loads(t.numpy().tobytes()) for t in self.all_gather_varsize(data)]
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.payload_device)
+        return [pickle.loads(t.cpu().numpy().tobytes()) for t in self.all_gather_varsize(data)]
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Group rank `src`'s picklable `obj`, on every rank."""
         if self.size == 1:
             return obj
         payload = pickle.dumps(obj) if self.rank == src else b""
-        n = torch.tensor([len(payload)], dtype=torch.int64)
+        dev = self.payload_device
+        n = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
         self.broadcast(n, src)
-        buf = torch.zeros(int(n.item()), dtype=torch.uint8)
+        buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=dev)
         if self.rank == src:
             buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         self.broadcast(buf, src)
-        return pickle.loads(buf.numpy().tobytes())
+        return pickle.loads(buf.cpu().numpy().tobytes())
 
     def all_reduce_scalars(self, values: Sequence[float], op: str = "sum") -> List[float]:
         """All-reduce a few Python floats in one float64 message."""
-        t = torch.tensor(list(values), dtype=torch.float64)
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.payload_device)
         self.all_reduce(t, op)
         return t.tolist()
 

@@ -26,6 +26,12 @@ class TorchComm(Comm):
             raise ValueError("this process is not a member of the given process group")
         self._global = [self._to_global(r) for r in range(self.size)]
 
+    @property
+    def payload_device(self) -> torch.device:
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def _to_global(self, r: int) -> int:
         if self.group is None or self.group is dist.group.WORLD:
             return r

@@ -22,7 +22,7 @@ from deepspeed.runtime.pipe.engine import MEMORY_OPT_ALLREDUCE_SIZE, PipelineEng
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
 
-from ..aggregation import Aggregator, build_aggregator
+from ..aggregation import Aggregator, bind_group, build_aggregator
 from ..comm import TorchComm
 from ..config import ConfigError, PDVConfig, split_config
 
@@ -279,6 +279,7 @@ class PDVPipelineEngine(PipelineEngine):
         native = self.reduce_mode != "engine" and agg.name == "mean"
         if self.reduce_mode == "zero" and not native:
             self._check_zero_takeover(agg.name)
+        bind_group(agg, self.dp_comm)
         self.aggregator = agg
         self._native_reduce = native
         return agg

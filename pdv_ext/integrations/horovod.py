@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from ..aggregation import Aggregator, build_aggregator
+from ..aggregation import Aggregator, bind_group, build_aggregator
 from ..aggregation.faults import FaultInjector, NonFiniteGuard
 from ..aggregation.faults_config import FaultsConfig
 from ..aggregation.mean import Mean
@@ -141,6 +141,7 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
             if self.aggregator.needs_validation and self.validation_loss is not None \
                     and getattr(self.aggregator, "validation_fn", None) is None:
                 self.aggregator.validation_fn = self.validation_gradients
+            bind_group(self.aggregator, self.comm)
         return self.aggregator
 
     def validation_gradients(self) -> List[torch.Tensor]:

@@ -139,8 +139,9 @@ def startup_lines(engine: Any, facts: List[Dict[str, Any]], cfg: Any) -> List[st
 
 def log_startup(engine: Any, cfg: Any = None) -> List[str]:
     """Collective (every rank calls it once, at the end of `initialize`): rank 0 logs the summary through
-    `deepspeed.utils.logger` at INFO (DeepSpeed's level applies: its logger is at WARNING unless the config
-    says `"log_level": "info"` or the launcher `--log_level info`) and keeps the lines as
+    `deepspeed.utils.logger` at WARNING, the level DeepSpeed's logger shows by default (at INFO a user would
+    see nothing, which is the complaint this answers; `"log_level": "error"` in the config silences it, as it
+    does DeepSpeed's own start-up warnings) and keeps the lines as
     `engine.pdv_startup_summary`; other ranks log nothing and keep []. Returns the lines."""
     from deepspeed.utils import logger
 
@@ -148,6 +149,6 @@ def log_startup(engine: Any, cfg: Any = None) -> List[str]:
     facts = gather_facts(local_facts(engine))
     lines = [] if facts is None else startup_lines(engine, facts, cfg)
     for line in lines:
-        logger.info(line)
+        logger.warning(line)
     engine.pdv_startup_summary = lines
     return lines

@@ -143,8 +143,8 @@ class Monitor:
         n, g = w["n"], max(w["grads"], 1)
         mine = torch.tensor([w["wall"] / n, w["compute"] / n, w["local_sq"] / g, w["agg_sq"] / g,
                              math.nan if loss is None else float(loss), w["dropped"], w["cd"],
-                             1.0 if w["grads"] else 0.0], dtype=torch.float64)
-        rows = torch.stack(self.comm.all_gather(mine)) if self.comm.size > 1 else mine[None]
+                             1.0 if w["grads"] else 0.0], dtype=torch.float64, device=self.comm.payload_device)
+        rows = (torch.stack(self.comm.all_gather(mine)) if self.comm.size > 1 else mine[None]).cpu()
         m = self._combine(rows, step, lr, micro_batch_size, micro_batches)
         self._record(m)
         self._reset_window()

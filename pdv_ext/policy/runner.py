@@ -164,15 +164,16 @@ class PolicyRunner:
         if self.comm.size == 1:
             return payload
         data = pickle.dumps(payload) if (self.comm.rank == 0 and payload) else b""
-        n = torch.tensor([len(data)], dtype=torch.int64)
+        dev = self.comm.payload_device
+        n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
         self.comm.broadcast(n, 0)
         if int(n.item()) == 0:
             return None
-        buf = torch.zeros(int(n.item()), dtype=torch.uint8)
+        buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=dev)
         if self.comm.rank == 0:
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.comm.broadcast(buf, 0)
-        return pickle.loads(buf.numpy().tobytes())
+        return pickle.loads(buf.cpu().numpy().tobytes())
 
     # ---- every rank -----------------------------------------------------------------------------
     def _apply(self, action: Action, item: Dict[str, Any]) -> None:

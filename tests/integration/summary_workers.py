@@ -48,7 +48,6 @@ def init_and_capture(config_path: str) -> Dict[str, Any]:
 def write_config(path: str, pdv: Dict[str, Any]) -> str:
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, "steps_per_print": 10 ** 9,
-           "log_level": "info",  # DeepSpeed's logger says WARNING by default: the summary is at INFO
            "pdv": pdv}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(cfg, f)

@@ -79,7 +79,7 @@ def test_start_up_plan_and_explicit_placement_sources():
     assert S.startup_lines(eng, [S.local_facts(eng)] * 2, cfg)[2].endswith("(explicit boundaries; solver dp)")
 
 
-@pytest.mark.parametrize("level, shown", [("info", True), ("warning", False)])
+@pytest.mark.parametrize("level, shown", [("info", True), ("warning", True), ("error", False)])
 def test_deepspeeds_log_level_applies(level, shown):
     from deepspeed.utils import logger, set_log_level_from_string
 
