@@ -195,10 +195,14 @@ class NonFiniteGradients(FloatingPointError):
 
 
 class NonFiniteGuard:
-    """Raises `NonFiniteGradients` naming the rank(s) and step when a non-tolerant aggregator sees NaN/Inf."""
+    """Raises `NonFiniteGradients` naming the rank(s) and step when a non-tolerant aggregator sees NaN/Inf.
 
-    def __init__(self) -> None:
+    `defer=True` (an fp16 engine) leaves non-finite gradients to DeepSpeed's loss scaler: an overflow of the
+    scaled gradients is routine there, and DeepSpeed skips that step and lowers the scale, as vanilla does."""
+
+    def __init__(self, defer: bool = False) -> None:
         self._ok = True
+        self.defer = defer
 
     @staticmethod
     def tolerant(aggregator: Any) -> bool:
@@ -257,11 +261,13 @@ class NonFiniteGuard:
 
     # grad hook protocol
     def before(self, engine: Any, grads: List[torch.Tensor]) -> List[torch.Tensor]:
-        self.pre(engine.aggregator, grads, engine.dp_comm, int(engine.global_steps))
+        if not self.defer:
+            self.pre(engine.aggregator, grads, engine.dp_comm, int(engine.global_steps))
         return grads
 
     def after(self, engine: Any, grads: List[torch.Tensor]) -> None:
-        self.post(engine.aggregator, grads, engine.dp_comm, int(engine.global_steps))
+        if not self.defer:
+            self.post(engine.aggregator, grads, engine.dp_comm, int(engine.global_steps))
 
 
 def install_fault_hooks(engine: Any) -> None:
@@ -274,7 +280,7 @@ def install_fault_hooks(engine: Any) -> None:
         injector.check_world(engine.world_size)
         engine.pdv_faults = injector
         engine.grad_hooks.append(injector)
-    engine.grad_hooks.append(NonFiniteGuard())
+    engine.grad_hooks.append(NonFiniteGuard(defer=bool(engine.fp16_enabled())))
     agg = engine.aggregator
     if getattr(agg, "needs_validation", False) and engine.validation_iter is None and (
             engine.is_first_stage() or engine.is_last_stage()):

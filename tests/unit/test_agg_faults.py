@@ -126,3 +126,27 @@ def test_mean_checks_its_own_buffer_overflow_and_checksum_overflow():
 
     for out in run_threads(2, big_but_finite):
         assert torch.isfinite(out[0]).all()
+
+
+def test_guard_defers_to_the_fp16_loss_scaler():
+    """Under fp16 an overflow of the loss-scaled gradients is DeepSpeed's to handle (skip the step, lower
+    the scale): the engine's guard lets it through; elsewhere it raises naming the rank."""
+    from types import SimpleNamespace
+
+    def step(defer):
+        def fn(comm):
+            agg = build_aggregator("adasum")
+            engine = SimpleNamespace(aggregator=agg, dp_comm=comm, global_steps=7)
+            guard = NonFiniteGuard(defer=defer)
+            g = [torch.full((4,), float("inf") if comm.rank == 1 else 1.0)]
+            g = guard.before(engine, g)
+            out = agg(g, comm)
+            guard.after(engine, out)
+            return out
+        return fn
+
+    for out in run_threads(2, step(True)):
+        assert not torch.isfinite(out[0]).all()  # reaches the optimizer, whose overflow check skips the step
+    with pytest.raises(NonFiniteGradients) as info:
+        run_threads(2, step(False))
+    assert info.value.ranks == [1]
