@@ -29,11 +29,22 @@ def describe(plugin: Any) -> str:
     return f"{getattr(plugin, 'name', type(plugin).__name__)}({', '.join(f'{k}={v!r}' for k, v in dump.items())})"
 
 
+def describe_in_force(agg: Any) -> str:
+    """`describe(agg)`, plus the options its data-parallel group clamped (`SmallGroups`), as in force."""
+    text = describe(agg)
+    size, clamps = getattr(agg, "group_size", None), getattr(agg, "clamps", None)
+    if size and callable(clamps):
+        held = [f"{key}={got}" for key, _want, got, _why in clamps(size)]
+        if held:
+            text += f" [clamped for a group of {size}: {', '.join(held)}]"
+    return text
+
+
 def local_facts(engine: Any) -> Dict[str, Any]:
     """What this rank contributes to rank 0's summary: its stage and its aggregator."""
     agg = getattr(engine, "aggregator", None)
     return {"stage": int(getattr(engine, "stage_id", 0)),
-            "aggregator": describe(agg) if agg is not None else None,
+            "aggregator": describe_in_force(agg) if agg is not None else None,
             "native_reduce": bool(getattr(engine, "_native_reduce", False)),
             "reduce_mode": getattr(engine, "reduce_mode", None)}
 

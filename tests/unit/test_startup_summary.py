@@ -127,3 +127,15 @@ def test_args_deepspeed_config_is_hidden_only_while_deepspeed_initialize_runs(tm
     monkeypatch.setattr(D.deepspeed, "initialize", lambda args=None, **kw: args.deepspeed_config)
     both = Namespace(deepspeed_config=str(path), local_rank=0)  # config= as well: DeepSpeed decides, as before
     assert D.initialize(args=both, model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1}) == str(path)
+
+
+def test_aggregator_line_shows_the_options_its_group_clamped():
+    from pdv_ext.aggregation import build_aggregator
+
+    agg = build_aggregator({"type": "trimmed_mean", "b": 1})
+    assert S.describe_in_force(agg) == "trimmed_mean(b=1)"  # not fitted to a group yet
+    with pytest.warns(UserWarning):
+        agg.bind(2, 0)
+    assert S.describe_in_force(agg) == "trimmed_mean(b=1) [clamped for a group of 2: b=0]"
+    agg.bind(4, 0)
+    assert S.describe_in_force(agg) == "trimmed_mean(b=1)"
