@@ -20,7 +20,7 @@ COMMANDS = {
 }
 
 BENCHES = ["engine", "aggregate", "kernels", "byzantine", "convergence", "planner", "adaptive", "placement",
-           "init-search"]
+           "init-search", "profile"]
 
 
 def _usage() -> str:
