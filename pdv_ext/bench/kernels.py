@@ -9,6 +9,11 @@ implementation allocates are not counted (that is its cost). Elements are counte
 size. On CPU all variants use torch.get_num_threads() threads; on CUDA each repetition runs an op `inner`
 times between two CUDA events (no synchronisation inside, one after). Variants are timed alternately, so
 machine noise hits every case alike; each figure is the median of the repetitions.
+
+On CUDA (wherever Triton answers), top-k is timed twice in the same run: `topk_fused` with the default threshold finder
+(torch.topk unless PDV_TOPK_SELECT says otherwise; the result's `topk_select` names it) and `topk_radix`
+with the Triton radix select (`topk_radix_gbps`, `topk_radix_vs_copy`, and their `_bf16` keys), so that
+one run on a GPU shows which to make the default.
 """
 from __future__ import annotations
 
@@ -79,11 +84,15 @@ def _cases(n: int, m: int, device: str, dtype: torch.dtype):
         K.adasum_combine_torch(a, b, half, half, out=a)
 
     rows = (m + 1) * (n // m) * size
+    topk = {"topk_fused": (lambda: K.topk_error_feedback(upd, res, k), 3 * n * size)}
+    if K.backend(device) == "triton" and dtype != torch.float64 and 0 < k < n:
+        T = K._triton()  # the Triton radix select beside the default threshold finder (see module doc)
+        topk["topk_radix"] = (lambda: T.topk_error_feedback(upd, res, k, select="radix"), 3 * n * size)
     return {
         "copy": (lambda: dst.copy_(src), 2 * n * size),
         "adasum_fused": (ada_fused, 5 * n * size),
         "adasum_torch": (ada_torch, 5 * n * size),
-        "topk_fused": (lambda: K.topk_error_feedback(upd, res, k), 3 * n * size),
+        **topk,
         "topk_torch": (lambda: K.topk_error_feedback_torch(upd, res, k), 3 * n * size),
         "median_fused": (lambda: K.coordinate_median(stack), rows),
         "median_torch": (lambda: K.coordinate_median_torch(stack), rows),
@@ -116,7 +125,7 @@ def run(elements: int, reps: int, m: int = 4, device: str = "cpu", dtypes: Seque
         for name, v in gbps.items():
             out[f"{name}{sfx}_gbps"] = round(v, 3)
         for name in cases:
-            if name.endswith("_fused"):
+            if name.endswith(("_fused", "_radix")):
                 out[f"{name}{sfx}_vs_copy"] = round(gbps[name] / gbps["copy"], 3)
     return out
 
@@ -148,5 +157,7 @@ def main(argv=None) -> int:
               "threads": torch.get_num_threads(), "mb": mb}
     if args.device == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
+        if K.backend("cuda") == "triton":  # the threshold finder behind topk_fused (topk_radix: always radix)
+            result["topk_select"] = K._triton().topk_select()
     emit(result, args.json)
     return 0

@@ -9,7 +9,8 @@ One launch (or a few) per call over the whole tensor list, and no host synchroni
 - reductions (`adasum_dots`) write one partial per program and a second launch sums each segment's partials
   in a fixed order: deterministic, no atomics.
 - top-k: a fused pass builds acc = update + residual and its |acc| key; torch.topk on the device gives the
-  threshold; per-block counts and their running sums (torch, on the device) place every taken entry, and a
+  threshold (or, with PDV_TOPK_SELECT=radix, a Triton radix select: `_radix_threshold`); per-block counts
+  and their running sums (torch, on the device) place every taken entry, and a
   last pass writes indices/values and zeroes them in the residual.
 - median / trimmed mean: each program loads a tile of columns x all m rows, maps values to order-preserving
   integer keys (NaN above +inf) and sorts the m keys of each column in registers (`tl.sort`).
@@ -21,9 +22,10 @@ Every function takes contiguous inputs, non-empty (`pdv_ext.kernels` sees to bot
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -223,13 +225,106 @@ def _topk_write(KEY, R, THR, base, ties_before, NEED, IDX, VALS, n, BLOCK: tl.co
     tl.store(R + offs, tl.zeros([BLOCK], dtype=R.dtype.element_ty), mask=take)
 
 
-def topk_error_feedback(update: torch.Tensor, residual: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """`update`, `residual` contiguous and flat, 0 < k < n (the caller handles k = 0 and k = n)."""
+# The threshold (the k-th largest key) by an MSD radix select, all on the device: RADIX_PASSES digits of
+# RADIX_BITS bits from the top of the 32-bit key (int32 keys are >= 0: |x| bit patterns, NaN 0x7FC00000).
+# Pass p histograms digit p of the keys whose higher digits equal the prefix chosen so far: one histogram
+# per program over a grid-stride share of the blocks (tl.histogram), added into the pass's global bins with
+# integer atomics (exact, so deterministic). Every program of pass p, and the one-program last kernel,
+# re-derives the prefix and the rank still to find from the bins of the passes before it (a cumulative sum
+# over 2^RADIX_BITS counts per pass: cheaper than a launch of its own), so nothing goes to the host.
+RADIX_BITS = 8
+RADIX_PASSES = 4
+#: programs of a histogram pass at most (each loops over its share of the blocks, then flushes its bins)
+RADIX_PROGRAMS = 512
+#: how top-k finds its threshold for 32-bit keys: "torch" (torch.topk) or "radix" (_radix_threshold);
+#: PDV_TOPK_SELECT, read at every call, overrides it. 64-bit keys (float64 inputs) always take torch.topk.
+TOPK_SELECT = "torch"
+SELECTS = ("torch", "radix")
+
+
+@triton.jit
+def _radix_prefix(BINS, K, PASSES: tl.constexpr, NPASS: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr):
+    """(the digits of the k-th largest key found by the first PASSES passes, in place; its rank among the
+    keys that share them) from those passes' bins."""
+    prefix = K * 0
+    rem = K
+    b = tl.arange(0, NB)
+    for p in tl.static_range(PASSES):
+        h = tl.load(BINS + p * NB + b)
+        incl = tl.cumsum(h, axis=0)
+        total = tl.sum(h, axis=0)
+        top = tl.max(tl.where(total - incl + h >= rem, b, 0), axis=0)  # bucket of the rem-th largest
+        rem = rem - tl.sum(tl.where(b == top, total - incl, 0), axis=0)  # less the keys in buckets above it
+        prefix = prefix | (top << (BITS * (NPASS - 1 - p)))
+    return prefix, rem
+
+
+@triton.jit(do_not_specialize=["K"])
+def _radix_hist(KEY, BINS, K, n, PASS: tl.constexpr, NPASS: tl.constexpr, BITS: tl.constexpr,
+                NB: tl.constexpr, BLOCK: tl.constexpr):
+    SHIFT: tl.constexpr = BITS * (NPASS - 1 - PASS)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    h = tl.zeros([NB], dtype=tl.int32)
+    if PASS == 0:
+        for s in range(start, n, step):
+            offs = s + tl.arange(0, BLOCK)
+            inside = offs < n
+            key = tl.load(KEY + offs, mask=inside, other=0)
+            h += tl.histogram((key >> SHIFT) & (NB - 1), NB, mask=inside)
+    else:
+        prefix, _ = _radix_prefix(BINS, K, PASS, NPASS, BITS, NB)
+        hi = prefix >> (SHIFT + BITS)
+        for s in range(start, n, step):
+            offs = s + tl.arange(0, BLOCK)
+            inside = offs < n
+            key = tl.load(KEY + offs, mask=inside, other=0)
+            inside = inside & ((key >> (SHIFT + BITS)) == hi)
+            h += tl.histogram((key >> SHIFT) & (NB - 1), NB, mask=inside)
+    tl.atomic_add(BINS + PASS * NB + tl.arange(0, NB), h, mask=h > 0)
+
+
+@triton.jit(do_not_specialize=["K"])
+def _radix_final(BINS, K, OUT, NPASS: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr):
+    prefix, _ = _radix_prefix(BINS, K, NPASS, NPASS, BITS, NB)
+    tl.store(OUT, prefix)
+
+
+def _radix_threshold(key: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-th largest value of the int32 key tensor `key` (contiguous, values >= 0, 1 <= k <= n), as a
+    0-dim int32 tensor on its device, equal to torch.topk(key, k).values.min(): RADIX_PASSES histogram
+    launches and a one-program select, no host synchronisation."""
+    n = key.numel()
+    nb = 1 << RADIX_BITS
+    bins = torch.zeros(RADIX_PASSES, nb, dtype=torch.int32, device=key.device)
+    grid = (min(triton.cdiv(n, BLOCK), RADIX_PROGRAMS),)
+    for p in range(RADIX_PASSES):
+        _radix_hist[grid](key, bins, k, n, PASS=p, NPASS=RADIX_PASSES, BITS=RADIX_BITS, NB=nb, BLOCK=BLOCK)
+    out = torch.empty((), dtype=torch.int32, device=key.device)
+    _radix_final[(1,)](bins, k, out, NPASS=RADIX_PASSES, BITS=RADIX_BITS, NB=nb)
+    return out
+
+
+def topk_select(select: Optional[str] = None) -> str:
+    """The threshold finder a top-k call uses: `select`, else PDV_TOPK_SELECT, else TOPK_SELECT."""
+    choice = (select or os.environ.get("PDV_TOPK_SELECT", "") or TOPK_SELECT).lower()
+    if choice not in SELECTS:
+        raise ValueError(f"PDV_TOPK_SELECT / select: {choice!r}, expected one of {', '.join(SELECTS)}")
+    return choice
+
+
+def topk_error_feedback(update: torch.Tensor, residual: torch.Tensor, k: int,
+                        select: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`update`, `residual` contiguous and flat, 0 < k < n (the caller handles k = 0 and k = n). `select`:
+    "torch" or "radix" (default: PDV_TOPK_SELECT, else TOPK_SELECT; see topk_select)."""
     n = update.numel()
     nblocks = triton.cdiv(n, BLOCK)
     key = torch.empty(n, dtype=torch.int64 if update.dtype == torch.float64 else torch.int32, device=update.device)
     _topk_prep[(nblocks,)](update, residual, key, n, BLOCK=BLOCK)
-    thr = torch.topk(key, k, sorted=False).values.min()
+    if topk_select(select) == "radix" and key.dtype == torch.int32:
+        thr = _radix_threshold(key, k)
+    else:
+        thr = torch.topk(key, k, sorted=False).values.min()
     counts = torch.empty(2, nblocks, dtype=torch.int64, device=update.device)
     _topk_count[(nblocks,)](key, thr, counts, n, nblocks, BLOCK=BLOCK)
     above_before = counts[0].cumsum(0) - counts[0]

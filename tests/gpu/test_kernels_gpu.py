@@ -71,8 +71,12 @@ def test_adasum_on_cuda_matches_reference(impl, dt):
         same(x, z), same(y, z)
 
 
+@pytest.mark.parametrize("select", ["torch", "radix"])  # the threshold finder (PDV_TOPK_SELECT)
 @pytest.mark.parametrize("dt", DTYPES)
-def test_topk_on_cuda_matches_reference(impl, dt):
+def test_topk_on_cuda_matches_reference(impl, dt, select, monkeypatch):
+    if impl == "torch" and select == "radix":
+        pytest.skip("the reference has no threshold finder to choose")
+    monkeypatch.setenv("PDV_TOPK_SELECT", select)
     g = torch.Generator().manual_seed(1)
     cases = [(torch.randint(-3, 4, (50_000,), generator=g).to(dt), torch.zeros(50_000, dtype=dt), k)
              for k in (1, 777, 25_000, 49_999)]  # ties across blocks
@@ -131,6 +135,8 @@ def test_no_host_sync(impl, dt):
         K.adasum_combine(a, b, ca_cpu, ca_cpu, out=a)
         K.adasum_combine(a, b, ca_dev, ca_dev, out=a)
         K.topk_error_feedback(u, r, 1000)
+        if impl == "triton":  # the radix select (PDV_TOPK_SELECT=radix) as well
+            K._triton().topk_error_feedback(u.view(-1), r.view(-1), 1000, select="radix")
         K.coordinate_median(s)
         K.trimmed_mean(s, 1)
 

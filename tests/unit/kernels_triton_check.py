@@ -13,11 +13,13 @@ compiles every kernel for an H100 (sm_90: Triton's compiler and its bundled ptxa
 catches what the interpreter lets through (types, unsupported ops in compiled code); same JSON output.
 """
 import json
+import os
 import sys
 import traceback
 
 DTYPES = ["float32", "bfloat16", "float16", "float64"]
-CASES = [f"{op}_{dt}" for op in ("dots", "combine", "topk", "median", "trimmed") for dt in DTYPES] + ["empty", "tables"]
+CASES = ([f"{op}_{dt}" for op in ("dots", "combine", "topk", "median", "trimmed") for dt in DTYPES]
+         + [f"topkradix_{dt}" for dt in DTYPES[:3]] + ["radix", "bench", "empty", "tables"])
 
 
 def main(cases):
@@ -97,6 +99,50 @@ def main(cases):
         i2, v2 = R.topk_error_feedback(u.t().contiguous(), r2, 40)
         same(i1, i2), same(v1, v2), same(r1, r2)
 
+    def topkradix(dt):  # top-k with the Triton radix select in place of torch.topk (float64 keeps torch.topk)
+        os.environ["PDV_TOPK_SELECT"] = "radix"
+        try:
+            topk(dt)
+        finally:
+            del os.environ["PDV_TOPK_SELECT"]
+
+    def radix(_):
+        """_radix_threshold == torch.topk(key, k).values.min(): random keys, many ties, k = 1 and n, the keys
+        of NaN (canonical) and +inf, small and odd sizes; with few programs each loops over several blocks."""
+        default = T.RADIX_PROGRAMS
+        special = torch.tensor([0x7FC00000, 0x7F800000, 0x7F7FFFFF, 0, 1], dtype=torch.int32)  # NaN, +inf, ...
+        wide = torch.randint(0, 0x7F800000, (333,), generator=g, dtype=torch.int32)
+        mixed = torch.where(wide % 5 < 2, special[wide % 5], wide)
+        few = special[torch.randint(0, 5, (333,), generator=g)]
+        for programs, key, ks in ((default, wide[:1], (1,)), (default, few[:5], (1, 3, 5)),
+                                  (default, wide, (1, 100)), (default, wide % 4, (2, 333)),  # many ties
+                                  (default, wide % 3 + 0x3F800000, (100,)),  # ties: only the last digit differs
+                                  (default, mixed, (1, 100)), (default, few, (2, 332)),
+                                  (3, wide % 3 + 0x3F800000, (100,)), (3, mixed, (100,))):  # 3 programs: each
+            T.RADIX_PROGRAMS = programs                                                   # loops over blocks
+            for k in ks:
+                got = T._radix_threshold(key.contiguous(), k)
+                want = torch.topk(key, k).values.min()
+                assert got.shape == () and got.dtype == torch.int32 and int(got) == int(want), (key.numel(), k, got,
+                                                                                                 want)
+        T.RADIX_PROGRAMS = default
+        try:
+            T.topk_select("bogus")
+            raise AssertionError("no ValueError")
+        except ValueError:
+            pass
+        assert T.topk_select() == "torch" and T.topk_select("RADIX") == "radix"
+
+    def bench(_):
+        """`pdv bench kernels` times the radix select beside the default wherever Triton answers (CUDA; here
+        the interpreter), and its case runs."""
+        from pdv_ext.bench import kernels as B
+
+        cases = B._cases(500, 4, "cpu", torch.float32)
+        assert "topk_radix" in cases and "topk_fused" in cases
+        idx, vals = cases["topk_radix"][0]()
+        assert idx.numel() == vals.numel() == 5 and bool((idx.diff() > 0).all())
+
     def stacks(dt):
         for m in (1, 2, 3, 4, 5, 8):
             s = torch.randn(m, 131, generator=g).to(dt)
@@ -141,12 +187,14 @@ def main(cases):
             for x, y in zip(K.adasum_combine(a, b, c, c), R.adasum_combine(a, b, c, c)):
                 same(x, y)
 
-    ops = {"dots": dots, "combine": combine, "topk": topk, "median": median, "trimmed": trimmed}
+    ops = {"dots": dots, "combine": combine, "topk": topk, "topkradix": topkradix, "median": median,
+           "trimmed": trimmed}
     out = {}
     for case in cases:
         op, _, dt = case.partition("_")
         try:
-            {"empty": empty, "tables": tables}.get(case, ops.get(op))(getattr(torch, dt) if dt else None)
+            special = {"empty": empty, "tables": tables, "radix": radix, "bench": bench}
+            special.get(case, ops.get(op))(getattr(torch, dt) if dt else None)
             out[case] = "ok"
         except Exception:
             out[case] = traceback.format_exc(limit=4)[-2000:]
@@ -185,6 +233,11 @@ def compile_all():
              n="i32", nblocks="i32"), {"BLOCK": 4096})
         comp(f"topk_write_{dt}", T._topk_write, sig(["KEY", "R", "THR", "base", "ties_before", "NEED", "IDX", "VALS",
              "n"], KEY=key, R=p, THR=key, VALS=p, n="i32"), {"BLOCK": 4096})
+        if dt == "fp32":  # the radix select (int32 keys: every dtype but float64)
+            for ps in range(T.RADIX_PASSES):
+                comp(f"radix_hist_pass{ps}", T._radix_hist, sig(["KEY", "BINS", "K", "n"], KEY=key, BINS="*i32",
+                     K="i32", n="i32"), {"PASS": ps, "NPASS": T.RADIX_PASSES, "BITS": T.RADIX_BITS,
+                                         "NB": 1 << T.RADIX_BITS, "BLOCK": 4096})
         for m in (1, 4, 5, 16):
             mp2 = max(2, triton.next_power_of_2(m))
             for median in (True, False):
@@ -192,6 +245,8 @@ def compile_all():
                      sig(["S", "OUT", "n", "stride"], S=p, OUT=p, n="i32", stride="i32"),
                      {"M": m, "MP2": mp2, "TRIM": (m - 1) // 2, "MEDIAN": median, "F": 64 if dt == "fp64" else 32,
                       "BLOCK": 4096 // mp2})
+    comp("radix_final", T._radix_final, sig(["BINS", "K", "OUT"], BINS="*i32", K="i32", OUT="*i32"),
+         {"NPASS": T.RADIX_PASSES, "BITS": T.RADIX_BITS, "NB": 1 << T.RADIX_BITS})
     comp("dots_reduce", T._dots_reduce, sig(["part", "first", "out", "nblocks", "nseg"], part="*fp64", out="*fp64",
          nblocks="i32", nseg="i32"), {"RB": 256})
     print(json.dumps(out))
