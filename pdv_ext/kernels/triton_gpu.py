@@ -110,13 +110,21 @@ def _to(x, P):
 
 # ---- adasum -----------------------------------------------------------------------------------------------
 @triton.jit
-def _dots_partial(A, AO, B, BO, REF, seg_of, start_of, sizes, part, nblocks, BLOCK: tl.constexpr):
+def _pair_block(A, AO, B, BO, REF, seg_of, start_of, sizes, BLOCK: tl.constexpr):
+    """This program's block of the segment lists a and b: (segment, offsets, mask, a in float64, b in float64)."""
     pid = tl.program_id(0)
     seg = tl.load(seg_of + pid)
     offs = tl.load(start_of + pid) + tl.arange(0, BLOCK)
     mask = offs < tl.load(sizes + seg)
     x = tl.load((A + tl.load(AO + seg)).to(REF.dtype) + offs, mask=mask, other=0.0).to(tl.float64)
     y = tl.load((B + tl.load(BO + seg)).to(REF.dtype) + offs, mask=mask, other=0.0).to(tl.float64)
+    return seg, offs, mask, x, y
+
+
+@triton.jit
+def _dots_partial(A, AO, B, BO, REF, seg_of, start_of, sizes, part, nblocks, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    seg, offs, mask, x, y = _pair_block(A, AO, B, BO, REF, seg_of, start_of, sizes, BLOCK)
     tl.store(part + pid, tl.sum(x * y, axis=0))
     tl.store(part + nblocks + pid, tl.sum(x * x, axis=0))
     tl.store(part + 2 * nblocks + pid, tl.sum(y * y, axis=0))
@@ -148,12 +156,7 @@ def adasum_dots(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> Tuple[t
 
 @triton.jit
 def _combine(A, AO, B, BO, O, OO, REF, seg_of, start_of, sizes, CA, CB, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    seg = tl.load(seg_of + pid)
-    offs = tl.load(start_of + pid) + tl.arange(0, BLOCK)
-    mask = offs < tl.load(sizes + seg)
-    x = tl.load((A + tl.load(AO + seg)).to(REF.dtype) + offs, mask=mask, other=0.0).to(tl.float64)
-    y = tl.load((B + tl.load(BO + seg)).to(REF.dtype) + offs, mask=mask, other=0.0).to(tl.float64)
+    seg, offs, mask, x, y = _pair_block(A, AO, B, BO, REF, seg_of, start_of, sizes, BLOCK)
     r = x * tl.load(CA + seg) + y * tl.load(CB + seg)
     po = (O + tl.load(OO + seg)).to(REF.dtype)
     tl.store(po + offs, _to(r, po), mask=mask)
