@@ -3,7 +3,7 @@
 # the GPU tier of the tests, the kernels' GB/s beside the device copy's, and the profile's predicted vs
 # measured step. Outputs go to $OUT (default ./build/gpu-check): pytest.log, kernels.json, profile.json.
 #   make test-gpu / a machine with the project's .venv:   bash scripts/gpu_check.sh
-#   the device tool (after `bash ../shared/gpu/prepare.sh` here, carrying .gpu):
+#   a lent GPU machine without the venv, carrying the prepared .gpu/ wheels (docs/kernels.md):
 #       source .gpu/device-setup.sh && bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
