@@ -200,6 +200,9 @@ class NonFiniteGuard:
     `defer=True` (an fp16 engine) leaves non-finite gradients to DeepSpeed's loss scaler: an overflow of the
     scaled gradients is routine there, and DeepSpeed skips that step and lowers the scale, as vanilla does."""
 
+    #: passive under DeepSpeed's own `mean` (see integrations.deepspeed.GradHook)
+    needs_full_gradients = False
+
     def __init__(self, defer: bool = False) -> None:
         self._ok = True
         self.defer = defer

@@ -213,6 +213,10 @@ def follow_rebuild(module: nn.Module, before: Dict[int, Tuple[str, bool]], model
 class GradHook:
     """Something that sees (and may replace) the gradients around aggregation: faults, the Monitor."""
 
+    #: False for a hook that has nothing to do where DeepSpeed reduces itself (the non-finite guard under
+    #: `mean`): it does not make ZeRO-1 hand the reduction to pdv's Mean
+    needs_full_gradients: bool = True
+
     def before(self, engine: "PDVPipelineEngine", grads: List[torch.Tensor]) -> List[torch.Tensor]:
         return grads
 
@@ -313,8 +317,8 @@ class PDVPipelineEngine(PipelineEngine):
         return self._native_reduce and (self.reduce_mode == "bf16" or not self._grads_watched())
 
     def _grads_watched(self) -> bool:
-        """Whether a grad hook other than the (passive under `mean`) non-finite guard wants the gradients."""
-        return any(type(h).__name__ != "NonFiniteGuard" for h in self.grad_hooks)
+        """Whether a grad hook needs the full averaged gradients (`GradHook.needs_full_gradients`)."""
+        return any(getattr(h, "needs_full_gradients", True) for h in self.grad_hooks)
 
     @contextlib.contextmanager
     def _bf16_grads_set_aside(self) -> Iterator[None]:
