@@ -15,9 +15,9 @@ b is clamped with one GroupSizeWarning, and a group of one is the identity (no v
 Host syncs on CUDA: none for the scores (float64 dot products and norms on the device, summed over the
 slices on the device); one device-to-host copy of the m scores and the finite mask per call, because who
 is kept is a host decision (and the report lists it). Whether some rank refreshed its validation
-gradient is agreed on host flags (`Comm.all_reduce_scalars`: no device sync on gloo or the in-process
-comm; a backend that reduces only device tensors, such as NCCL, needs its Comm to move those 8 bytes, a
-second sync). The kept candidates are averaged on the device in score order with plain adds and one true
+gradient is agreed on host flags (`Comm.all_reduce_scalars`): no device sync on gloo, Horovod, or NCCL
+as pdv's integrations set it up (`TorchComm` with a gloo twin, `host_twin`, carries CPU tensors); a bare
+NCCL `TorchComm` moves those 8 bytes through the GPU, a second sync. The kept candidates are averaged on the device in score order with plain adds and one true
 division, so CPU and CUDA give the same bits for the same kept set (the scores themselves agree to float64
 rounding: the dot products' summation order is the device's).
 

@@ -1,7 +1,15 @@
-"""Comm over a torch.distributed process group (gloo on CPU, nccl on GPU) — what DeepSpeed uses."""
+"""Comm over a torch.distributed process group (gloo on CPU, nccl on GPU) — what DeepSpeed uses.
+
+On NCCL a TorchComm may carry a `host_group`: a gloo twin of its group (same members, same order) that
+carries CPU tensors. Then the small host-made payloads (flags, metric scalars, pickled objects) travel on
+the CPU and reading them back costs no device synchronisation; without it they must go through a GPU
+(`payload_device`) and every read of one waits for the device to finish its queued work. `host_twin`
+builds the twin; pdv's DeepSpeed integration and policy engine do so whenever the backend is NCCL.
+"""
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import os
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -12,11 +20,13 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 
 
 class TorchComm(Comm):
-    """`TorchComm(group)`; `group=None` is the default (world) group."""
+    """`TorchComm(group, host_group=None)`; `group=None` is the default (world) group. `host_group`, a gloo
+    group with the same members in the same order (`host_twin`), carries every CPU tensor."""
 
     backend = "torch"
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, group: Optional[dist.ProcessGroup] = None,
+                 host_group: Optional[dist.ProcessGroup] = None):
         if not dist.is_initialized():
             raise RuntimeError("TorchComm needs torch.distributed initialised (init_process_group)")
         self.group = group
@@ -25,12 +35,25 @@ class TorchComm(Comm):
         if self.rank < 0:
             raise ValueError("this process is not a member of the given process group")
         self._global = [self._to_global(r) for r in range(self.size)]
+        self.host_group = host_group
+        if host_group is not None:
+            twin = [dist.get_global_rank(host_group, r) if host_group is not dist.group.WORLD else r
+                    for r in range(dist.get_world_size(host_group))]
+            if twin != self._global:
+                raise ValueError(f"host_group: its members (global ranks {twin}) must be the group's, in the "
+                                 f"same order ({self._global})")
 
     @property
     def payload_device(self) -> torch.device:
-        if dist.get_backend(self.group) == "nccl":
+        if self.host_group is None and dist.get_backend(self.group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+    def _pg(self, *tensors: torch.Tensor) -> Optional[dist.ProcessGroup]:
+        """The host group for CPU tensors (when there is one), the group otherwise."""
+        if self.host_group is not None and tensors and all(t.device.type == "cpu" for t in tensors):
+            return self.host_group
+        return self.group
 
     def _to_global(self, r: int) -> int:
         if self.group is None or self.group is dist.group.WORLD:
@@ -45,16 +68,16 @@ class TorchComm(Comm):
         if self.size == 1:
             return tensor
         if op == "avg":
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._pg(tensor))
             return tensor.div_(self.size)
-        dist.all_reduce(tensor, op=_OPS[op], group=self.group)
+        dist.all_reduce(tensor, op=_OPS[op], group=self._pg(tensor))
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
         if self.size == 1:
             return [tensor.clone()]
         out = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(out, tensor.contiguous(), group=self.group)
+        dist.all_gather(out, tensor.contiguous(), group=self._pg(tensor))
         return out
 
     def _gather_rows(self, out: torch.Tensor) -> None:
@@ -63,8 +86,9 @@ class TorchComm(Comm):
         against 0.26 s for the ring). Elsewhere (nccl) the backend's in-place all_gather_into_tensor."""
         if not out.is_contiguous():
             raise ValueError("all_gather_into: out must be contiguous")
-        if dist.get_backend(self.group) != "gloo":
-            dist.all_gather_into_tensor(out.view(-1), out[self.rank].view(-1), group=self.group)
+        pg = self._pg(out)
+        if dist.get_backend(pg) != "gloo":
+            dist.all_gather_into_tensor(out.view(-1), out[self.rank].view(-1), group=pg)
             return
         right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         for step in range(1, self.size):  # pass on the row received in the previous step
@@ -72,10 +96,11 @@ class TorchComm(Comm):
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.size > 1:
-            dist.broadcast(tensor, src=self._global[src], group=self.group)
+            dist.broadcast(tensor, src=self._global[src], group=self._pg(tensor))
         return tensor
 
     def exchange(self, sends: Dict[int, Message], recvs: Dict[int, Message]) -> None:
+        pg = self._pg(*[t for m in (sends, recvs) for msg in m.values() for t in parts(msg)])
         ops = []
         staged = []  # (caller's non-contiguous destination, contiguous buffer received into)
         # post receives first, then sends, in peer order: deterministic and deadlock-free on gloo; the
@@ -86,10 +111,10 @@ class TorchComm(Comm):
                     if not t.is_contiguous():  # the backends receive into contiguous memory only
                         staged.append((t, torch.empty_like(t, memory_format=torch.contiguous_format)))
                         t = staged[-1][1]
-                    ops.append(dist.P2POp(dist.irecv, t, self._global[peer], self.group))
+                    ops.append(dist.P2POp(dist.irecv, t, self._global[peer], pg))
         for peer in sorted(sends):
             if peer != self.rank:
-                ops += [dist.P2POp(dist.isend, t.contiguous(), self._global[peer], self.group)
+                ops += [dist.P2POp(dist.isend, t.contiguous(), self._global[peer], pg)
                         for t in parts(sends[peer])]
         if self.rank in sends and self.rank in recvs:
             for dst, src in zip(parts(recvs[self.rank]), parts(sends[self.rank])):
@@ -101,11 +126,11 @@ class TorchComm(Comm):
             dst.copy_(buf)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
-        dist.send(tensor.contiguous(), self._global[dst], group=self.group)
+        dist.send(tensor.contiguous(), self._global[dst], group=self._pg(tensor))
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         buf = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        dist.recv(buf, self._global[src], group=self.group)
+        dist.recv(buf, self._global[src], group=self._pg(buf))
         if buf is not tensor:
             tensor.copy_(buf)
         return tensor
@@ -113,3 +138,25 @@ class TorchComm(Comm):
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier(group=self.group)
+
+
+def host_twin(rank_lists: Sequence[Sequence[int]], force: Optional[bool] = None) -> Optional[dist.ProcessGroup]:
+    """A gloo group with the members of the list holding this rank, for `TorchComm(host_group=...)`; None
+    where payloads need no twin (the default backend already carries CPU tensors, as gloo does).
+
+    Collective over the world, like `dist.new_group`: every rank calls it with the same lists in the same
+    order (one new group per list). `force` (default: env PDV_HOST_GROUPS=1/0, else "when NCCL") builds
+    the twins whatever the backend: the tests exercise them on gloo."""
+    if force is None:
+        env = os.environ.get("PDV_HOST_GROUPS", "").strip().lower()
+        force = True if env in ("1", "true", "yes") else False if env in ("0", "false", "no") else None
+    if force is None:
+        force = dist.get_backend() == "nccl"
+    if not force:
+        return None
+    me, mine = dist.get_rank(), None
+    for ranks in rank_lists:
+        pg = dist.new_group(ranks=list(ranks), backend="gloo")
+        if me in ranks:
+            mine = pg
+    return mine

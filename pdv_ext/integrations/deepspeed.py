@@ -23,7 +23,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
 
 from ..aggregation import Aggregator, bind_group, build_aggregator
-from ..comm import TorchComm
+from ..comm import TorchComm, host_twin
 from ..config import ConfigError, PDVConfig, split_config
 
 
@@ -256,7 +256,9 @@ class PDVPipelineEngine(PipelineEngine):
         self.pdv_config = pdv_config or PDVConfig()
         self.validation_iter = validation_iter
         self.grad_hooks: List[GradHook] = []
-        self.dp_comm = TorchComm(self.grid.get_data_parallel_group())
+        # on NCCL a gloo twin of each data-parallel group carries the aggregators' host payloads (flags,
+        # scalars): reading them back then costs no device sync (TorchComm); every rank builds all twins
+        self.dp_comm = TorchComm(self.grid.get_data_parallel_group(), host_group=host_twin(self.grid.dp_groups))
         self.placement = getattr(self.module, "_pdv_placement", None)
         self.init_search_report = getattr(self.module, "_pdv_init_search", None)
         self.reduce_mode = ("bf16" if self.using_bf16_optimizer else

@@ -16,8 +16,9 @@ import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
-from ..comm import TorchComm
+from ..comm import TorchComm, host_twin
 from .base import build_policy
 from .config import PolicyConfig
 from .metrics import Monitor
@@ -100,7 +101,8 @@ class PolicyGlue:
         from ..integrations.deepspeed import wrap_instructions
 
         self.engine, self.cfg = engine, cfg
-        self.comm = TorchComm()  # the world: every rank of every stage agrees
+        # the world: every rank of every stage agrees; on NCCL the metrics travel on a gloo twin (no device sync)
+        self.comm = TorchComm(host_group=host_twin([list(range(dist.get_world_size()))]))
         self.monitor = Monitor(self.comm, engine.grid.get_data_parallel_world_size(), cfg.monitor, every=cfg.every)
         engine.grad_hooks.append(_MonitorHook(self.monitor))
         # time forward/backward per rank (the straggler signal) through an instance-level instruction map

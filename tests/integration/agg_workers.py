@@ -96,6 +96,7 @@ def pipeline_zeno(steps: int = 4, refresh_every: int = 2) -> Dict[str, Any]:
     except NonFiniteGradients as exc:
         error = str(exc)
     return {"losses": losses, "dropped": dropped, "weights": weights, "stage": eng.stage_id, "rank": dist.get_rank(),
+            "host_group": eng.dp_comm.host_group is not None,
             "validation_calls": calls, "error": error}
 
 
@@ -121,6 +122,53 @@ def gathered_rows() -> Dict[str, Any]:
     return res
 
 
+def host_groups() -> Dict[str, Any]:
+    """`TorchComm(group, host_group=host_twin(...))` over the groups [0, 2] and [1, 3]: CPU payloads travel
+    on the twin, the aggregators' results are those of the plain comm, a twin of other ranks is refused."""
+    import torch.distributed as dist
+
+    from pdv_ext.aggregation import build_aggregator
+    from pdv_ext.comm import TorchComm, host_twin
+
+    lists = [[0, 2], [1, 3]]
+    groups = [dist.new_group(g) for g in lists]
+    group = groups[dist.get_rank() % 2]
+    twin = host_twin(lists, force=True)
+    assert host_twin(lists, force=False) is None
+    plain, comm = TorchComm(group), TorchComm(group, host_group=twin)
+    used = []
+    real = dist.all_reduce
+
+    def spy(tensor, *a, group=None, **k):
+        used.append("twin" if group is twin else "group" if group is group_ else "other")
+        return real(tensor, *a, group=group, **k)
+
+    group_ = group
+    dist.all_reduce = spy
+    try:
+        scalars = comm.all_reduce_scalars([1.0, float(dist.get_rank())])
+    finally:
+        dist.all_reduce = real
+    out = {"rank": dist.get_rank(), "scalars": scalars, "used": used, "payload_device": str(comm.payload_device),
+           "objects": comm.all_gather_object({"rank": dist.get_rank()}),
+           "broadcast": comm.broadcast_object("hello" if comm.rank == 1 else None, src=1)}
+    for spec in ({"type": "zeno", "b": 0}, {"type": "gossip", "peers": 1, "ratio": 0.5}, {"type": "adasum"}):
+        res = []
+        for c in (plain, comm):
+            agg = build_aggregator(dict(spec))
+            if spec["type"] == "zeno":
+                agg.set_validation_grads(rank_grads(99, 0))
+            res.append(torch.cat([t.reshape(-1) for t in agg(rank_grads(dist.get_rank(), 0), c)]))
+        out[spec["type"]] = bool(torch.equal(res[0], res[1]))
+    other = dist.new_group([0, 1, 2, 3], backend="gloo")
+    try:
+        TorchComm(group, host_group=other)
+        out["refused"] = None
+    except ValueError as e:
+        out["refused"] = str(e)
+    return out
+
+
 def gloo_suite(specs: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One process group for every plain-gloo check (start-up is the expensive part): the aggregators
     under an omniscient attacker, then the rank functions of `pdv bench byzantine` and `convergence`."""
@@ -128,6 +176,7 @@ def gloo_suite(specs: List[Dict[str, Any]]) -> Dict[str, Any]:
 
     out = torch_aggregators(specs, byzantine=1, steps=3)
     out["rows"] = gathered_rows()
+    out["host"] = host_groups()
     configs = byzantine.build_configs(["scaled"], [1], ["mean", "zeno"])
     out["byzantine"] = byzantine.rank_main(configs, steps=15, batch=32, lr=0.5, hidden=32)
     out["convergence"] = convergence.rank_main([{"aggregator": "mean", "lr": 1.0}, {"aggregator": "adasum", "lr": 1.0}],

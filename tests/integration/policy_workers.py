@@ -85,4 +85,5 @@ def train_policy(steps: int = 8, ckpt_dir: Optional[str] = None, save_at: Option
             "losses": losses, "lrs": lrs, "geometry": geometry, "action_log": runner.action_log,
             "errors": runner.errors, "disabled": runner.disabled, "seen": data.seen,
             "ids": data.indices(0, data.position).tolist(), "position": data.position,
-            "metrics": eng.pdv_policy.last_metrics, "rows": eng.pdv_policy.monitor.rows}
+            "metrics": eng.pdv_policy.last_metrics, "rows": eng.pdv_policy.monitor.rows,
+            "host_groups": [eng.pdv_policy.comm.host_group is not None, eng.dp_comm.host_group is not None]}

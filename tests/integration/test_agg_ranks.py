@@ -47,6 +47,14 @@ def test_aggregators_and_bench_ranks_over_torch_distributed():
         assert "rank(s) 3" in r["nan_error"] and "step 11" in r["nan_error"]
     # Comm.all_gather_into (what the robust aggregators gather with): world and an odd sub-group
     assert [r["rows"] for r in res] == [{"world": True}] + [{"world": True, "sub": True}] * 3
+    # a gloo twin of each group carries the CPU payloads (what the engine builds on NCCL)
+    for r in res:
+        h = r["host"]
+        assert h["used"] == ["twin"] and h["payload_device"] == "cpu", h
+        assert h["scalars"] == [2.0, float(2 * (h["rank"] % 2) + 2)], h
+        assert h["zeno"] and h["gossip"] and h["adasum"], h
+        assert "must be the group's" in h["refused"], h
+    assert [o["rank"] for o in res[0]["host"]["objects"]] == [0, 2] and res[0]["host"]["broadcast"] == "hello"
     # the benchmarks' rank functions: rank 0 returns the rows
     clean = res[0]["byzantine"][0]
     assert res[1]["byzantine"] is None
@@ -61,8 +69,11 @@ def test_aggregators_and_bench_ranks_over_torch_distributed():
 
 @pytest.mark.timeout(300)
 def test_zeno_and_faults_in_the_pipeline_engine():
-    res = run_ranks("tests.integration.agg_workers:pipeline_zeno", 4, {"steps": 4, "refresh_every": 2}, timeout=290)
+    # PDV_HOST_GROUPS=1: the engine builds the gloo twins it builds on NCCL, and the flags travel on them
+    res = run_ranks("tests.integration.agg_workers:pipeline_zeno", 4, {"steps": 4, "refresh_every": 2}, timeout=290,
+                    env={"PDV_HOST_GROUPS": "1"})
     for r in res:
+        assert r["host_group"]
         assert r["dropped"] == [[1]] * 4, r  # data-parallel rank 1 of each stage is the Byzantine replica
         assert r["validation_calls"] == 2  # steps 0 and 2
         assert r["error"] is not None and "rank(s) 1" in r["error"] and "step 4" in r["error"]

@@ -11,12 +11,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("policy")
+    # PDV_HOST_GROUPS=1: the metrics, actions and flags travel on gloo twins of the world and of the
+    # data-parallel groups, as they do under NCCL (the other engine tests cover the plain gloo groups)
     out = run_ranks("tests.integration.policy_workers:train_and_resume", 4,
-                    {"ckpt_dir": str(tmp / "ckpt"), "out_dir": str(tmp / "run")}, timeout=380)
+                    {"ckpt_dir": str(tmp / "ckpt"), "out_dir": str(tmp / "run")}, timeout=380,
+                    env={"PDV_HOST_GROUPS": "1"})
     return {"ranks": out, "dir": tmp}
 
 
 def test_action_log_identical_on_all_ranks(runs):
+    assert all(r["full"]["host_groups"] == [True, True] for r in runs["ranks"])
     logs = [r["full"]["action_log"] for r in runs["ranks"]]
     assert len(logs[0]) == 3 and all(log == logs[0] for log in logs)
     assert [step for step, _ in logs[0]] == [2, 4, 6]
