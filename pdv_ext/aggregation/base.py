@@ -117,13 +117,25 @@ def all_finite(tensors: List[torch.Tensor]) -> bool:
     A NaN/Inf anywhere makes its tensor's sum non-finite, so one summing pass (no mask allocated;
     ~20x cheaper than isfinite().all(), which cost 15% of a pipeline step) clears healthy gradients.
     A non-finite sum can also come from huge finite values overflowing: only then is the exact
-    element-wise check run.
+    element-wise check run. Each of the two reads the device once for the whole list (a host sync on
+    CUDA), never once per tensor.
     """
+    if sums_finite(tensors):
+        return True
+    return all(finite_flags(tensors))
+
+
+def sums_finite(tensors: List[torch.Tensor]) -> bool:
+    """Whether every tensor's sum is finite (one read of the device): True proves every element finite,
+    False means a NaN/Inf element or finite values whose sum overflowed (`finite_flags` tells which)."""
+    return not tensors or bool(torch.isfinite(torch.stack([t.sum().double() for t in tensors])).all())
+
+
+def finite_flags(tensors: List[torch.Tensor]) -> List[bool]:
+    """Per tensor, whether every element is finite: the exact check, one read of the device for all."""
     if not tensors:
-        return True
-    if bool(torch.isfinite(torch.stack([t.sum().double() for t in tensors])).all()):
-        return True
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+        return []
+    return [bool(f) for f in torch.stack([torch.isfinite(t).all() for t in tensors]).tolist()]
 
 
 class BufferCache:

@@ -7,8 +7,9 @@ exactly the same operations in the same order, so losses and weights match vanil
 Small groups: defined for every group; a group of one is the identity (the sum of one, times 1/1).
 Devices: element-wise adds in the comm's order and one rounded scale, so CPU and CUDA give the same bits
 for the same reduction order. Host syncs on CUDA: one per bucket (one bucket unless the gradients exceed
-`bucket_elements`), the non-finite check of the reduced buffer (`base.all_finite`), which decides whether
-ranks are asked who sent NaN/Inf.
+`bucket_elements`), the non-finite check of the reduced buffer (`base.sums_finite`), which decides whether
+ranks are asked who sent NaN/Inf; a second one only when that sum is not finite (the exact check of the
+buffer and of this rank's input together, `base.finite_flags`).
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import torch
 
 from ..comm.base import Comm
 from ..config_base import StrictModel
-from .base import Aggregator, BufferCache, all_finite, flatten, group_by_dtype, register_aggregator, unflatten_into
+from .base import (Aggregator, BufferCache, finite_flags, flatten, group_by_dtype, register_aggregator, sums_finite,
+                   unflatten_into)
 
 
 @register_aggregator("mean")
@@ -75,7 +77,10 @@ class Mean(Aggregator):
         if scale > 1.0:
             buf.mul_(scale)
             scale = 1.0
-        if not all_finite([buf]):  # some rank's input (or the sum) was not finite
-            mine = all_finite(bucket)  # this rank's input, not yet overwritten
-            self.nonfinite_local_ok = mine if self.nonfinite_local_ok is None else (self.nonfinite_local_ok and mine)
+        if not sums_finite([buf]):  # some rank's input (or the sum) may not be finite
+            # the exact check of the reduced buffer and of this rank's input (not yet overwritten) in one read
+            flags = finite_flags([buf] + bucket)
+            if not flags[0]:
+                mine = all(flags[1:])
+                self.nonfinite_local_ok = mine if self.nonfinite_local_ok is None else (self.nonfinite_local_ok and mine)
         unflatten_into(buf, bucket, scale)

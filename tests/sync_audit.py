@@ -1,0 +1,147 @@
+"""Host synchronisations a CUDA run would make, counted on CPU tensors (the GPU tier counts real ones).
+
+CI has no GPU, yet "no host sync per tensor on a GPU path" must not regress there. `SyncAudit` is a
+`TorchFunctionMode` that plays the device: tensors handed to `mark` (the gradients), tensors created with an
+explicit `device=` (as device code creates them: `device=t.device`, `comm.payload_device`) and every tensor
+computed from them are "on the device"; `.cpu()`, `.to("cpu")` and factories without a device are the host.
+It records, with the caller's file:line,
+
+- `syncs`: what synchronises on CUDA when its input is on the device: a host read (`item`, `tolist`,
+  `bool()`, `float()`, `int()`, `numpy`), an output whose size depends on the values (`nonzero`,
+  `masked_select`, `unique`, boolean-mask indexing, `repeat_interleave` without `output_size`), `equal` /
+  `allclose`, a device-to-host copy (`.cpu()`, `.to("cpu")`, `host.copy_(device)`);
+- `mixes`: an op mixing device tensors with host tensors of more than one element (CUDA raises "Expected all
+  tensors to be on the same device" there; copies and index arguments excepted).
+
+Host payloads: `HOST` (`cpu:0`, which makes plain CPU tensors) is the host as an explicit device, the
+`payload_device` of a comm with a host group (`TorchComm(host_group=...)`); give it to the in-process comm
+to model NCCL with its gloo twin. What it cannot see: torch's own internal syncs and a `.to(torch.device("cpu"))` (indistinguishable from
+`.to(t.device)` on CPU: treated as staying on the device, a possible miss, never a false alarm). Work done
+inside `tests/threadcomm.py` (the in-process stand-in for NCCL) is not counted.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import weakref
+from typing import Any, Iterable, List
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+SYNC_READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__complex__", "numpy",
+              "is_nonzero", "equal", "allclose", "__repr__", "__format__"}
+SYNC_SHAPES = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount"}
+NO_MIX_CHECK = {"copy_", "to", "index_select", "index_copy_", "index_add_", "index_put_", "__getitem__",
+                "__setitem__", "gather", "scatter", "scatter_", "scatter_add_", "take", "cpu", "__get__"}
+_SKIP_FILES = ("threadcomm.py", "sync_audit.py")
+HOST = torch.device("cpu", 0)
+
+
+def _is_host(dev: Any) -> bool:
+    """An explicit device that names the host: "cpu" as a string, or `HOST`."""
+    if isinstance(dev, str):
+        return dev.split(":")[0] == "cpu"
+    return isinstance(dev, torch.device) and dev.type == "cpu" and dev.index == 0
+
+
+def _tensors(x: Any) -> Iterable[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+
+
+class SyncAudit(TorchFunctionMode):
+    """One per thread (torch function modes are thread-local); `registry` is shared by the ranks' threads."""
+
+    def __init__(self, registry: "DeviceRegistry"):
+        super().__init__()
+        self.reg = registry
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        ins = list(_tensors(args)) + list(_tensors(kwargs))
+        on_dev = [t for t in ins if self.reg.has(t)]
+        if on_dev:
+            self._check_sync(name, args, kwargs)
+            if name not in NO_MIX_CHECK and any(t.numel() > 1 and not self.reg.has(t) for t in ins):
+                self.reg.note("mixes", name)
+        if name == "copy_" and len(args) >= 2 and not self.reg.has(args[0]) and self.reg.has(args[1]):
+            self.reg.note("syncs", "copy_ (device to host)")
+        out = func(*args, **kwargs)
+        if name == "cpu" or (name == "to" and self._to_host_literal(args, kwargs)):
+            if on_dev:
+                self.reg.note("syncs", f"{name} (device to host)")
+            return out.detach() if out is args[0] else out  # a new object: the host copy is not on the device
+        dev = kwargs.get("device")
+        if on_dev or (dev is not None and not _is_host(dev)) or \
+                (name == "to" and len(args) > 1 and isinstance(args[1], torch.device)):
+            for t in _tensors(out):
+                self.reg.add(t)
+        return out
+
+    def _check_sync(self, name, args, kwargs) -> None:
+        if name in SYNC_READS or name in SYNC_SHAPES:
+            self.reg.note("syncs", name)
+        elif name == "repeat_interleave" and kwargs.get("output_size") is None:
+            self.reg.note("syncs", name)
+        elif name in ("__getitem__", "__setitem__", "index_put_", "index_put") and any(
+                t.dtype == torch.bool for t in _tensors(args[1:2])):
+            self.reg.note("syncs", f"{name} (boolean mask)")
+
+    @staticmethod
+    def _to_host_literal(args, kwargs) -> bool:
+        return _is_host(kwargs.get("device", args[1] if len(args) > 1 else None))
+
+
+class DeviceRegistry:
+    """Which tensors are on the simulated device, and what was recorded (shared across threads)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._ids: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+        self.syncs: List[str] = []
+        self.mixes: List[str] = []
+
+    def add(self, t: torch.Tensor) -> None:
+        with self._lock:
+            self._ids[id(t)] = t
+
+    def has(self, t: torch.Tensor) -> bool:
+        with self._lock:
+            return self._ids.get(id(t)) is t
+
+    def mark(self, tensors: Iterable[torch.Tensor]) -> None:
+        for t in _tensors(list(tensors)):
+            self.add(t)
+
+    def note(self, kind: str, what: str) -> None:
+        where = _caller()
+        if where is None:  # inside the in-process comm
+            return
+        with self._lock:
+            getattr(self, kind).append(f"{what} at {where}")
+
+    def mode(self) -> SyncAudit:
+        return SyncAudit(self)
+
+
+def _caller():
+    """file:line of the innermost frame outside torch and this module; None inside the thread comm."""
+    f = sys._getframe(2)
+    torch_dir = os.path.dirname(torch.__file__)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if fn.endswith(_SKIP_FILES[0]):
+            return None
+        if not fn.startswith(torch_dir) and not fn.endswith(_SKIP_FILES[1]):
+            return f"{os.path.relpath(fn)}:{f.f_lineno}"
+        f = f.f_back
+    return "?"

@@ -1,0 +1,85 @@
+"""The aggregators' CUDA code paths make at most the host syncs their docstrings name, checked on CPU.
+
+The GPU tier (tests/gpu/test_aggregators_gpu.py) counts real synchronising CUDA calls; CI has no GPU, so
+here the device paths (`robust.PATHS = "device"`, the torch reference kernels that back Triton) run on CPU
+tensors under `tests.sync_audit`, which records what would synchronise on CUDA and what would mix devices.
+"""
+import pytest
+import torch
+
+from pdv_ext.aggregation import build_aggregator, robust
+from tests.gpu.test_aggregators_gpu import MAX_SYNCS, SPECS, grads
+from tests.sync_audit import HOST, DeviceRegistry
+from tests.threadcomm import ThreadComm, run_threads
+
+#: adasum keeps everything on the device: no sync at all (its module docstring)
+EXPECTED_MAX = {**MAX_SYNCS, "adasum": 0}
+STEPS = 3
+
+
+def audit(name, m, dtype, steps=STEPS, poison=None):
+    reg = DeviceRegistry()
+    inputs = [[grads(r, s, dtype, "cpu", byzantine=m - 1) for s in range(steps)] for r in range(m)]
+    if poison is not None:
+        inputs[poison][0][1][5] = float("nan")
+    valid = grads(99, 0, dtype, "cpu")
+    reg.mark(inputs)
+    reg.mark(valid)
+
+    def fn(comm):
+        agg = build_aggregator(dict(SPECS[name]))
+        if name == "zeno":
+            agg.set_validation_grads(valid)
+        for s in range(steps):
+            with reg.mode():
+                agg(inputs[comm.rank][s], comm)
+
+    run_threads(m, fn)
+    return reg
+
+
+@pytest.fixture(autouse=True)
+def device_paths(monkeypatch):
+    """The CUDA code paths on CPU tensors, over a comm whose payloads stay on the host: NCCL as pdv's
+    integrations run it (`TorchComm` with its gloo twin, `host_twin`)."""
+    monkeypatch.setattr(robust, "PATHS", "device")
+    monkeypatch.setenv("PDV_KERNELS", "torch")
+    monkeypatch.setattr(ThreadComm, "payload_device", property(lambda self: HOST), raising=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("m", [3, 4])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_syncs_per_call_within_docstring(name, m, dtype):
+    reg = audit(name, m, dtype)
+    per_call = len(reg.syncs) / (m * STEPS)
+    assert per_call <= EXPECTED_MAX[name], f"{name}: {len(reg.syncs)} syncs in {m * STEPS} calls: " + \
+        "; ".join(sorted(set(reg.syncs))[:8])
+    assert not reg.mixes, f"{name}: host and device tensors mixed: " + "; ".join(sorted(set(reg.mixes))[:8])
+
+
+@pytest.mark.parametrize("name", ["mean", "median", "zeno", "gossip"])
+def test_nonfinite_input_stays_within_budget(name):
+    """A NaN on one rank: naming the culprit may cost a second sync, never one per tensor."""
+    m = 4
+    reg = audit(name, m, torch.float32, steps=1, poison=2)
+    assert len(reg.syncs) / m <= 2, f"{name}: " + "; ".join(sorted(set(reg.syncs))[:8])
+    assert not reg.mixes, "; ".join(sorted(set(reg.mixes))[:8])
+
+
+def test_the_audit_sees_a_sync_and_a_mix():
+    """The audit itself: a host read of a device tensor and a host/device mix are both recorded."""
+    reg = DeviceRegistry()
+    dev = torch.ones(4)
+    reg.mark([dev])
+    with reg.mode():
+        s = dev.sum()
+        float(s)
+        dev + torch.ones(4)  # a host tensor of 4 elements meets a device one
+        host = dev.cpu()
+        host.tolist()  # a host tensor: free
+        fresh = torch.zeros(2, device=dev.device)
+        fresh.add_(1).max().item()
+    assert len(reg.syncs) == 3 and reg.syncs[0].startswith("__float__"), reg.syncs
+    assert "cpu (device to host)" in reg.syncs[1] and reg.syncs[2].startswith("item"), reg.syncs
+    assert len(reg.mixes) == 1 and reg.mixes[0].startswith("add"), reg.mixes
