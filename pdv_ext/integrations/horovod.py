@@ -469,7 +469,12 @@ class _MonitorTap:
         import time
 
         h = self.hook
-        h.monitor.add_compute(time.perf_counter() - h._t0)
+        if h._ev0 is not None and grads and grads[0].is_cuda:  # device time: the host only queued the work
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            h.monitor.add_compute_span(h._ev0, end)
+        else:
+            h.monitor.add_compute(time.perf_counter() - h._t0)
         h.monitor.add_local_grads(grads)
         return grads
 
@@ -526,6 +531,7 @@ class PolicyHook:
         optimizer.grad_hooks.append(_MonitorTap(self))
         self._begun = False
         self._t0 = 0.0
+        self._ev0: Optional[Any] = None  # a CUDA timing event at the step's start, once CUDA is in use
         self._restart_clock()
 
     @property
@@ -537,6 +543,10 @@ class PolicyHook:
         import time
 
         self._t0 = time.perf_counter()
+        self._ev0 = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._ev0 = torch.cuda.Event(enable_timing=True)
+            self._ev0.record()
         self.monitor.begin_step()
 
     def on_train_begin(self) -> None:

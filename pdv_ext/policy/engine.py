@@ -81,8 +81,19 @@ class _MonitorHook:
         self.monitor.add_aggregated_grads(grads)
 
 
-def _timed(fn: Any, monitor: Monitor) -> Any:
+def _timed(fn: Any, monitor: Monitor, cuda: bool = False) -> Any:
+    """`fn` (an instruction's handler) timed into `monitor`: by the host clock on CPU ranks, by CUDA events
+    on GPU ranks (where the host only queues kernels: its clock would time the launches)."""
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                monitor.add_compute_span(start, end)
         t = time.perf_counter()
         try:
             return fn(self, *args, **kwargs)
@@ -106,7 +117,8 @@ class PolicyGlue:
         self.monitor = Monitor(self.comm, engine.grid.get_data_parallel_world_size(), cfg.monitor, every=cfg.every)
         engine.grad_hooks.append(_MonitorHook(self.monitor))
         # time forward/backward per rank (the straggler signal) through an instance-level instruction map
-        wrap_instructions(engine, lambda instr, fn: _timed(fn, self.monitor),
+        cuda = torch.device(getattr(engine, "device", "cpu")).type == "cuda"
+        wrap_instructions(engine, lambda instr, fn: _timed(fn, self.monitor, cuda),
                           (schedule.ForwardPass, schedule.BackwardPass))
         self.applier = EngineApplier(engine)
         policies = [build_policy(p) for p in cfg.plugins]

@@ -90,11 +90,19 @@ class Monitor:
         self._norms_now = self.config.gns and (step is None or step % self.every == 0)
         self._t0 = time.perf_counter()
         self._compute = 0.0
+        self._spans: List[tuple] = []
         self._local_sq: Optional[torch.Tensor] = None
         self._agg_sq: Optional[torch.Tensor] = None
 
     def add_compute(self, seconds: float) -> None:
         self._compute += seconds
+
+    def add_compute_span(self, start: Any, end: Any) -> None:
+        """Compute measured on a device: a pair of recorded timing events (`torch.cuda.Event(enable_timing=
+        True)`). On a GPU the host only queues the work, so a host clock around forward/backward measures
+        launches, not compute; the events time the device. They are read on the window's reporting step,
+        after its one read of the device (no extra sync on the other steps)."""
+        self._spans.append((start, end))
 
     def add_local_grads(self, grads: Sequence[torch.Tensor]) -> None:
         if self._norms_now:
@@ -123,10 +131,12 @@ class Monitor:
         w["n"] += 1
         w["wall"] += wall
         w["compute"] += self._compute
+        w["spans"] += self._spans
         if has:
             w["grads"] += 1
-            w["local_sq"] += float(self._local_sq)
-            w["agg_sq"] += float(self._agg_sq)
+            local_sq, agg_sq = torch.stack([self._local_sq, self._agg_sq.to(self._local_sq.device)]).tolist()
+            w["local_sq"] += local_sq
+            w["agg_sq"] += agg_sq
         if not math.isnan(dropped):
             w["dropped"] = dropped if math.isnan(w["dropped"]) else max(w["dropped"], dropped)
         if not math.isnan(cd):
@@ -140,6 +150,9 @@ class Monitor:
                           "samples_per_s": batch / wall if wall > 0 else math.nan})
             self.begin_step()
             return None
+        if w["spans"]:  # device-timed compute: every event has completed once the device was read above
+            w["spans"][-1][1].synchronize()
+            w["compute"] += sum(a.elapsed_time(b) for a, b in w["spans"]) / 1e3
         n, g = w["n"], max(w["grads"], 1)
         mine = torch.tensor([w["wall"] / n, w["compute"] / n, w["local_sq"] / g, w["agg_sq"] / g,
                              math.nan if loss is None else float(loss), w["dropped"], w["cd"],
@@ -153,7 +166,7 @@ class Monitor:
 
     def _reset_window(self) -> None:
         self._window = {"n": 0, "wall": 0.0, "compute": 0.0, "local_sq": 0.0, "agg_sq": 0.0, "grads": 0,
-                        "dropped": math.nan, "cd": math.nan}
+                        "dropped": math.nan, "cd": math.nan, "spans": []}
 
     def _combine(self, rows: torch.Tensor, step: int, lr: Optional[float], mbs: int, mb: int) -> Dict[str, Any]:
         col = {k: rows[:, i] for i, k in enumerate(SLOTS)}

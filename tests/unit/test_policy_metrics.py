@@ -113,3 +113,52 @@ def test_monitor_window_gathers_every_n_steps():
     assert len(calls) == 2 and len(mon.rows) == 6  # rank 0 still has a row per step
     assert outs[2]["local_sq"] == pytest.approx((1 + 4 + 9) / 3) and outs[5]["local_sq"] == pytest.approx((16 + 25 + 36) / 3)
     assert outs[5]["samples"] == 24 and outs[5]["loss"] == pytest.approx(1 / 6)
+
+
+class FakeEvent:
+    """A CUDA timing event's interface, with a preset device timestamp (seconds)."""
+    clock = [0.0]
+    synced = []
+
+    def __init__(self, enable_timing=True, t=None):
+        self.t = t
+
+    def record(self):
+        self.t = FakeEvent.clock[0]
+
+    def synchronize(self):
+        FakeEvent.synced.append(self.t)
+
+    def elapsed_time(self, end):  # milliseconds, as torch.cuda.Event
+        return (end.t - self.t) * 1e3
+
+
+def test_device_timed_compute_is_read_once_per_window(monkeypatch):
+    """GPU ranks time forward/backward with CUDA events (the host clock would time the launches): the
+    events of a window are read on its reporting step, after one synchronize of its last event."""
+    from pdv_ext.policy.engine import _timed
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    FakeEvent.synced.clear()
+    comm = RowsComm([])
+    comm.size = 2
+    comm.all_gather = lambda t: [t]
+    mon = Monitor(comm, dp_size=1, config=MonitorConfig(tensorboard=False, gns=False), every=2)
+
+    def instruction(engine, seconds):  # the device advances while the host "launches"
+        FakeEvent.clock[0] += seconds
+
+    timed = _timed(instruction, mon, cuda=True)
+    outs = []
+    for step, spans in enumerate([(0.1, 0.2), (0.3,), (0.5, 0.25), (0.05,)], start=1):
+        for sec in spans:
+            timed(None, sec)
+        FakeEvent.clock[0] += 1.0  # idle device time between steps is not compute
+        outs.append(mon.end_step(step, None, 0.1, 4, 1))
+    assert [o is None for o in outs] == [True, False, True, False]
+    assert outs[1]["compute_times"][0] == pytest.approx((0.1 + 0.2 + 0.3) / 2)
+    assert outs[3]["compute_times"][0] == pytest.approx((0.5 + 0.25 + 0.05) / 2)
+    assert len(FakeEvent.synced) == 2  # one read per window, none on the other steps
+    host = _timed(instruction, Monitor(comm, dp_size=1, config=MonitorConfig(tensorboard=False)), cuda=False)
+    host(None, 0.0)  # CPU ranks: the host clock (no event created)
+    assert len(FakeEvent.synced) == 2
