@@ -89,7 +89,7 @@ def test_train_gpt_through_torchrun_bf16_zero1_adasum(tmp_path):
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
            "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "torch_adam": True}},
            "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
-           "pdv": {"aggregation": {"type": "adasum"}}}
+           "pdv": {"aggregation": {"type": "adasum"}, "policy": {"monitor": {"enabled": True, "tensorboard": False}}}}
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(cfg))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
@@ -112,3 +112,12 @@ def test_train_gpt_through_torchrun_bf16_zero1_adasum(tmp_path):
     assert done, out[-2000:]
     held_out = float(done[-1].split("held-out loss")[1].split()[0])
     assert math.isfinite(held_out) and held_out < math.log(256), out[-2000:]
+    # the Monitor on a GPU rank: metrics on a gloo twin of the world, compute timed by CUDA events (device
+    # time: positive, and within the steps' wall time over the run: a step's events may finish in the next)
+    import csv
+
+    rows = list(csv.DictReader(open(tmp_path / "out" / "metrics.csv")))
+    assert len(rows) >= 19, rows[-1:]
+    late = rows[5:]
+    compute, wall = [float(r["compute_r0"]) for r in late], [float(r["step_time"]) for r in late]
+    assert all(c > 0 for c in compute) and sum(compute) <= 1.1 * sum(wall), (compute, wall)
