@@ -131,6 +131,18 @@ def sums_finite(tensors: List[torch.Tensor]) -> bool:
     return not tensors or bool(torch.isfinite(torch.stack([t.sum().double() for t in tensors])).all())
 
 
+def finite_on_device(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """Whether every element of every tensor is finite, as a 0-d bool tensor on their device: exact and
+    read nowhere (no host sync), for a caller that reads it later together with other values. One
+    `aminmax` pass per tensor: min and max are both finite exactly when every element is (NaN propagates
+    through both, +-inf shows in one), and unlike a sum they cannot overflow."""
+    ts = [t.reshape(-1) for t in tensors if t.numel()]
+    if not ts:
+        dev = tensors[0].device if tensors else torch.device("cpu")
+        return torch.ones((), dtype=torch.bool, device=dev)
+    return torch.isfinite(torch.stack([torch.stack(torch.aminmax(t)).to(torch.float64) for t in ts])).all()
+
+
 def finite_flags(tensors: List[torch.Tensor]) -> List[bool]:
     """Per tensor, whether every element is finite: the exact check, one read of the device for all."""
     if not tensors:

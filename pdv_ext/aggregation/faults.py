@@ -22,8 +22,8 @@ import torch
 from ..comm.base import Comm
 from ..registry import load_object
 from .faults_config import ATTACKS, FaultsConfig
-from .base import all_finite  # noqa: F401  (re-exported: pdv_ext.aggregation.faults.all_finite)
-from .robust import flat_dtype, flatten_as
+from .base import all_finite, finite_on_device  # noqa: F401  (all_finite re-exported)
+from .robust import device_path, flat_dtype, flatten_as
 
 
 @dataclasses.dataclass
@@ -198,13 +198,19 @@ class NonFiniteGuard:
     """Raises `NonFiniteGradients` naming the rank(s) and step when a non-tolerant aggregator sees NaN/Inf.
 
     `defer=True` (an fp16 engine) leaves non-finite gradients to DeepSpeed's loss scaler: an overflow of the
-    scaled gradients is routine there, and DeepSpeed skips that step and lowers the scale, as vanilla does."""
+    scaled gradients is routine there, and DeepSpeed skips that step and lowers the scale, as vanilla does.
+
+    Host syncs on CUDA: one per call where replicas end identical (adasum): the input's exact finite flag
+    is computed on the device before the aggregation and read together with the output's after it. Where
+    they may differ (gossip) the ranks agree before aggregating: one read of the input's check. Naming
+    the culprit (an error path) costs one more."""
 
     #: passive under DeepSpeed's own `mean` (see integrations.deepspeed.GradHook)
     needs_full_gradients = False
 
     def __init__(self, defer: bool = False) -> None:
         self._ok = True
+        self._ok_dev: Optional[torch.Tensor] = None
         self.defer = defer
 
     @staticmethod
@@ -216,10 +222,16 @@ class NonFiniteGuard:
         return bool(getattr(aggregator, "checks_nonfinite", False))
 
     def pre(self, aggregator: Any, grads: List[torch.Tensor], comm: Comm, step: int) -> None:
+        self._ok_dev = None
         if self.tolerant(aggregator) or self.self_checking(aggregator):
             return
+        identical = getattr(aggregator, "replicas_identical", True)
+        if identical and grads and device_path(grads[0]):
+            # on a device: the input's flag stays there until `post` reads it with the output's, one sync
+            self._ok_dev = finite_on_device(grads)
+            return
         self._ok = all_finite(grads)
-        if not getattr(aggregator, "replicas_identical", True):
+        if not identical:
             # replicas may differ (gossip): agree up front, one all-reduce of one scalar
             flag = torch.tensor([0.0 if self._ok else 1.0], dtype=torch.float64, device=comm.payload_device)
             comm.all_reduce(flag, "max")
@@ -232,6 +244,13 @@ class NonFiniteGuard:
         if self.self_checking(aggregator):  # it looked at its own reduced buffer: no pass over `out`
             if aggregator.nonfinite_local_ok is not None:  # identical on every rank: all get here together
                 self._ok = aggregator.nonfinite_local_ok
+                self._raise(aggregator, comm, step)
+            return
+        if self._ok_dev is not None:  # device path: both flags in one read of the device
+            ok_in, ok_out = torch.stack([self._ok_dev, finite_on_device(out).to(self._ok_dev.device)]).tolist()
+            self._ok_dev = None
+            if not ok_out:
+                self._ok = bool(ok_in)
                 self._raise(aggregator, comm, step)
             return
         if not all_finite(out):  # identical on every rank, so every rank gets here together

@@ -67,6 +67,35 @@ def test_nonfinite_input_stays_within_budget(name):
     assert not reg.mixes, "; ".join(sorted(set(reg.mixes))[:8])
 
 
+@pytest.mark.parametrize("name,limit", [("adasum", 1), ("gossip", 2)])
+@pytest.mark.parametrize("poison", [None, 2])
+def test_nonfinite_guard_around_the_call(name, limit, poison):
+    """The engine's NaN/Inf guard (`NonFiniteGuard`) around an aggregator that cannot filter: adasum keeps
+    one sync per call with the guard (both flags read together), gossip two (its own, and the agreement
+    before aggregating). With a NaN on rank 2 every rank raises, naming it, at most one sync later."""
+    from pdv_ext.aggregation.faults import NonFiniteGradients, NonFiniteGuard
+
+    m, reg = 4, DeviceRegistry()
+    inputs = [grads(r, 0, torch.float32, "cpu") for r in range(m)]
+    if poison is not None:
+        inputs[poison][1][5] = float("nan")
+    reg.mark(inputs)
+    errors = []
+
+    def fn(comm):
+        agg = build_aggregator(dict(SPECS[name]))
+        try:
+            with reg.mode():
+                NonFiniteGuard().run(agg, inputs[comm.rank], comm, step=3)
+        except NonFiniteGradients as e:
+            errors.append((e.ranks, e.step))
+
+    run_threads(m, fn)
+    assert len(reg.syncs) / m <= limit + (poison is not None), "; ".join(sorted(set(reg.syncs))[:8])
+    assert not reg.mixes, "; ".join(sorted(set(reg.mixes))[:8])
+    assert errors == ([] if poison is None else [([poison], 3)] * m)
+
+
 def test_the_audit_sees_a_sync_and_a_mix():
     """The audit itself: a host read of a device tensor and a host/device mix are both recorded."""
     reg = DeviceRegistry()
