@@ -459,6 +459,12 @@ class HorovodApplier:
         agg.set_peers(peers)
 
 
+def _sync_cuda_if_used() -> None:
+    """The Monitor's end-of-step wait on GPU ranks (nothing where CUDA was never used)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 class _MonitorTap:
     """Grad hook on the optimizer: compute time up to the reduction, |g|² before and after it."""
 
@@ -522,7 +528,7 @@ class PolicyHook:
         self.micro_batch_size = int(micro_batch_size)
         self.data = data
         self.step = 0
-        self.monitor = Monitor(self.comm, self.comm.size, cfg.monitor)
+        self.monitor = Monitor(self.comm, self.comm.size, cfg.monitor, sync=_sync_cuda_if_used)
         self.applier = HorovodApplier(self)
         policies = [build_policy(p) for p in cfg.plugins]
         self.runner = (PolicyRunner(policies, self.comm, self.applier, cfg.on_error, cfg.every, cfg.lr_scaling)

@@ -114,10 +114,11 @@ class PolicyGlue:
         self.engine, self.cfg = engine, cfg
         # the world: every rank of every stage agrees; on NCCL the metrics travel on a gloo twin (no device sync)
         self.comm = TorchComm(host_group=host_twin([list(range(dist.get_world_size()))]))
-        self.monitor = Monitor(self.comm, engine.grid.get_data_parallel_world_size(), cfg.monitor, every=cfg.every)
+        cuda = torch.device(getattr(engine, "device", "cpu")).type == "cuda"
+        self.monitor = Monitor(self.comm, engine.grid.get_data_parallel_world_size(), cfg.monitor, every=cfg.every,
+                               sync=torch.cuda.synchronize if cuda else None)
         engine.grad_hooks.append(_MonitorHook(self.monitor))
         # time forward/backward per rank (the straggler signal) through an instance-level instruction map
-        cuda = torch.device(getattr(engine, "device", "cpu")).type == "cuda"
         wrap_instructions(engine, lambda instr, fn: _timed(fn, self.monitor, cuda),
                           (schedule.ForwardPass, schedule.BackwardPass))
         self.applier = EngineApplier(engine)

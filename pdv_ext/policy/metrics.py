@@ -14,7 +14,7 @@ import csv
 import math
 import os
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -65,8 +65,13 @@ class Monitor:
     contributes a slice of that replica's gradient norm).
     """
 
-    def __init__(self, comm: Comm, dp_size: int, config: Optional[MonitorConfig] = None, every: int = 1):
+    def __init__(self, comm: Comm, dp_size: int, config: Optional[MonitorConfig] = None, every: int = 1,
+                 sync: Optional[Callable[[], None]] = None):
         self.comm = comm
+        #: waits for the device at `end_step` (GPU ranks: `torch.cuda.synchronize`): the host only queues a
+        #: step's kernels, so without it the step's wall time would miss their tail. Training loops read the
+        #: loss every step, which waits for the same work, so it costs little more than moving that wait.
+        self._sync = sync
         self.every = int(every)
         self._reset_window()
         self.dp_size = int(dp_size)
@@ -100,8 +105,8 @@ class Monitor:
     def add_compute_span(self, start: Any, end: Any) -> None:
         """Compute measured on a device: a pair of recorded timing events (`torch.cuda.Event(enable_timing=
         True)`). On a GPU the host only queues the work, so a host clock around forward/backward measures
-        launches, not compute; the events time the device. They are read on the window's reporting step,
-        after its one read of the device (no extra sync on the other steps)."""
+        launches, not compute; the events time the device. They are read on the window's reporting step
+        (complete by then: the step's end waits for the device, see `sync`)."""
         self._spans.append((start, end))
 
     def add_local_grads(self, grads: Sequence[torch.Tensor]) -> None:
@@ -124,6 +129,8 @@ class Monitor:
         """Close the step. On every `every`-th step (collective): gather the window's scalars from every
         rank and return the metrics (identical on all ranks; times and norms are window means). On the
         other steps: no communication, rank 0 records its local view, returns None."""
+        if self._sync is not None:
+            self._sync()
         wall = time.perf_counter() - self._t0
         has = self._local_sq is not None and self._agg_sq is not None
         dropped, cd = _report_scalars(report or {})

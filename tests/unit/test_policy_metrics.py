@@ -135,7 +135,7 @@ class FakeEvent:
 
 def test_device_timed_compute_is_read_once_per_window(monkeypatch):
     """GPU ranks time forward/backward with CUDA events (the host clock would time the launches): the
-    events of a window are read on its reporting step, after one synchronize of its last event."""
+    events of a window are read on its reporting step; every step's end waits for the device."""
     from pdv_ext.policy.engine import _timed
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
@@ -143,7 +143,9 @@ def test_device_timed_compute_is_read_once_per_window(monkeypatch):
     comm = RowsComm([])
     comm.size = 2
     comm.all_gather = lambda t: [t]
-    mon = Monitor(comm, dp_size=1, config=MonitorConfig(tensorboard=False, gns=False), every=2)
+    waits = []
+    mon = Monitor(comm, dp_size=1, config=MonitorConfig(tensorboard=False, gns=False), every=2,
+                  sync=lambda: waits.append(FakeEvent.clock[0]))
 
     def instruction(engine, seconds):  # the device advances while the host "launches"
         FakeEvent.clock[0] += seconds
@@ -158,7 +160,8 @@ def test_device_timed_compute_is_read_once_per_window(monkeypatch):
     assert [o is None for o in outs] == [True, False, True, False]
     assert outs[1]["compute_times"][0] == pytest.approx((0.1 + 0.2 + 0.3) / 2)
     assert outs[3]["compute_times"][0] == pytest.approx((0.5 + 0.25 + 0.05) / 2)
-    assert len(FakeEvent.synced) == 2  # one read per window, none on the other steps
+    assert len(FakeEvent.synced) == 2  # the events are read once per window
+    assert len(waits) == 4  # the step's end waits for the device (its wall time includes the kernels)
     host = _timed(instruction, Monitor(comm, dp_size=1, config=MonitorConfig(tensorboard=False)), cuda=False)
     host(None, 0.0)  # CPU ranks: the host clock (no event created)
     assert len(FakeEvent.synced) == 2
