@@ -55,7 +55,7 @@ class ThreadComm(Comm):
         self._count("broadcast")
         return tensor.copy_(self._gather(tensor)[src])
 
-    def exchange(self, sends, recvs):
+    def exchange(self, sends, recvs, device=None):
         self._count("exchange")
         for peer, msg in sends.items():
             self.hub.mail[(self.rank, peer)] = [t.detach().clone() for t in parts(msg)]

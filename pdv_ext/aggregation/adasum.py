@@ -213,7 +213,7 @@ def _block_sum(part: torch.Tensor, comm: Comm, rank: int, block: int, active: bo
             comm.exchange({rank ^ mask: part}, {rank ^ mask: tmp})
             part = part + tmp
         else:
-            comm.exchange({}, {})
+            comm.exchange({}, {}, device=part.device)
         mask *= 2
     return part
 
@@ -283,15 +283,15 @@ def _adasum_virtual(buf: _Virtual, comm: Comm, eps: float, scratch: Optional[tor
 
     # fold in: rank p2+i hands its gradient to rank i, which combines the two locally
     if rank >= p2:
-        comm.exchange({rank - p2: buf.messages(0, n)}, {})
+        comm.exchange({rank - p2: buf.messages(0, n)}, {}, device=dev)
     elif rank < extra:
-        comm.exchange({}, {rank + p2: recv_messages(0, n)})
+        comm.exchange({}, {rank + p2: recv_messages(0, n)}, device=dev)
         everything, idx = buf.plan(0, n, dev)
         sums = torch.zeros(3, n_t, dtype=torch.float64, device=dev)  # per tensor, as `combine` indexes them
         _sums_into(sums, idx, kernels.adasum_dots(buf.pieces(everything), into_recv(everything)))
         combine(everything, idx, *_coefficients(sums[0], sums[1], sums[2], eps))
     else:
-        comm.exchange({}, {})
+        comm.exchange({}, {}, device=dev)
 
     # reduce-scatter by vector halving, distance doubling
     active = rank < p2
@@ -314,7 +314,7 @@ def _adasum_virtual(buf: _Virtual, comm: Comm, eps: float, scratch: Optional[tor
                 # row 1: the left subtree's |.|², row 2: the right one's
                 _sums_into(part, idx, (dot, na, nb) if left else (dot, nb, na))
         else:
-            comm.exchange({}, {})
+            comm.exchange({}, {}, device=dev)
         tot = _block_sum(part.reshape(-1), comm, rank, 2 * dist, active).view(3, n_t)
         if active:
             dot, nl, nr = tot[0], tot[1], tot[2]
@@ -334,15 +334,15 @@ def _adasum_virtual(buf: _Virtual, comm: Comm, eps: float, scratch: Optional[tor
             comm.exchange({peer: buf.messages(lo, hi)}, {peer: buf.messages(olo, ohi)})
             lo, hi = plo, phi
         else:
-            comm.exchange({}, {})
+            comm.exchange({}, {}, device=dev)
 
     # fold out
     if rank >= p2:
-        comm.exchange({}, {rank - p2: buf.messages(0, n)})
+        comm.exchange({}, {rank - p2: buf.messages(0, n)}, device=dev)
     elif rank < extra:
-        comm.exchange({rank + p2: buf.messages(0, n)}, {})
+        comm.exchange({rank + p2: buf.messages(0, n)}, {}, device=dev)
     else:
-        comm.exchange({}, {})
+        comm.exchange({}, {}, device=dev)
 
 
 def adasum_flat(buf: torch.Tensor, sizes: List[int], comm: Comm, eps: float = HOROVOD_EPS,

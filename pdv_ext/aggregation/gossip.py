@@ -139,7 +139,7 @@ class Gossip(SmallGroups, Aggregator):
         else:  # values and their indices (int32 while they fit) as one two-part message
             msg = [vals, idx.to(torch.int32 if n < 2 ** 31 else torch.int64)]
         recvs = {p: [torch.empty_like(t) for t in msg] for p in nbrs[me]}
-        comm.exchange({p: msg for p in nbrs[me]}, recvs)
+        comm.exchange({p: msg for p in nbrs[me]}, recvs, device=g.device)
         deg = [len(x) for x in nbrs]
         out = g.zero_()  # the flat gradient is in the residual now: its buffer becomes the output
         self_w = 1.0

@@ -10,7 +10,7 @@ Ranks in this API are always ranks *within the group* (0 .. size-1).
 from __future__ import annotations
 
 import pickle
-from typing import Any, Dict, List, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -53,12 +53,15 @@ class Comm:
         """Overwrite `tensor` in place with group rank `src`'s; returns it."""
         raise NotImplementedError
 
-    def exchange(self, sends: Dict[int, Message], recvs: Dict[int, Message]) -> None:
+    def exchange(self, sends: Dict[int, Message], recvs: Dict[int, Message],
+                 device: Optional[torch.device] = None) -> None:
         """Collective point-to-point: send `sends[peer]` to each peer and fill `recvs[peer]` from each.
 
         Every rank of the group must call it (with possibly empty dicts); the pattern must be
         symmetric in the sense that what rank a sends to b, b expects from a with the same size (for a
-        list message: the same number of parts with the same sizes, in order).
+        list message: the same number of parts with the same sizes, in order). `device`: where the
+        other ranks' tensors live, for a rank with nothing to send (a backend whose exchange is one
+        collective, Horovod's alltoall, needs every rank's message on the same kind of device).
         """
         raise NotImplementedError
 
@@ -142,7 +145,7 @@ class LocalComm(Comm):
     def broadcast(self, tensor, src=0):
         return tensor
 
-    def exchange(self, sends, recvs):
+    def exchange(self, sends, recvs, device=None):
         if sends or recvs:
             raise ValueError("LocalComm has no peers to exchange with")
 

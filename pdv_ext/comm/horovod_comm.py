@@ -149,7 +149,8 @@ class HorovodComm(Comm):
             tensor.copy_(work)
         return tensor
 
-    def exchange(self, sends: Dict[int, Message], recvs: Dict[int, Message]) -> None:
+    def exchange(self, sends: Dict[int, Message], recvs: Dict[int, Message],
+                 device: Optional[torch.device] = None) -> None:
         me, n = self.rank, self.size
         for peer in list(sends) + list(recvs):
             if not 0 <= peer < n:
@@ -164,7 +165,11 @@ class HorovodComm(Comm):
             bs = [_bytes(t) for t in parts(sends[peer])] if peer in sends and peer != me else []
             chunks += bs
             splits.append(sum(b.numel() for b in bs))
-        payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+        if chunks:
+            payload = torch.cat(chunks)
+        else:  # nothing to send: an empty message on the device the others' messages are on
+            where = [t.device for m in recvs.values() for t in parts(m)][:1] or [device or torch.device("cpu")]
+            payload = torch.empty(0, dtype=torch.uint8, device=where[0])
         out, got = self._hvd.alltoall(payload, splits=torch.tensor(splits, dtype=torch.int32),
                                       name=self._name("alltoall"), process_set=self.process_set)
         got = [int(x) for x in got.tolist()]

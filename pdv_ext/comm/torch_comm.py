@@ -35,6 +35,7 @@ class TorchComm(Comm):
         if self.rank < 0:
             raise ValueError("this process is not a member of the given process group")
         self._global = [self._to_global(r) for r in range(self.size)]
+        self._p2p_ready = False
         self.host_group = host_group
         if host_group is not None:
             twin = [dist.get_global_rank(host_group, r) if host_group is not dist.group.WORLD else r
@@ -99,8 +100,11 @@ class TorchComm(Comm):
             dist.broadcast(tensor, src=self._global[src], group=self._pg(tensor))
         return tensor
 
-    def exchange(self, sends: Dict[int, Message], recvs: Dict[int, Message]) -> None:
+    def exchange(self, sends: Dict[int, Message], recvs: Dict[int, Message],
+                 device: Optional[torch.device] = None) -> None:
         pg = self._pg(*[t for m in (sends, recvs) for msg in m.values() for t in parts(msg)])
+        if pg is self.group and not self._p2p_ready:
+            self._ready_for_p2p()
         ops = []
         staged = []  # (caller's non-contiguous destination, contiguous buffer received into)
         # post receives first, then sends, in peer order: deterministic and deadlock-free on gloo; the
@@ -124,6 +128,15 @@ class TorchComm(Comm):
                 req.wait()
         for dst, buf in staged:
             dst.copy_(buf)
+
+    def _ready_for_p2p(self) -> None:
+        """NCCL: with a lazily created communicator, the first `batch_isend_irecv` on a group must involve
+        every rank, and an exchange may leave ranks idle (adasum's fold on a group that is not a power of
+        two). So the first exchange on an NCCL group starts with one all-reduce of one element, which every
+        rank makes (exchange is collective). Nothing on gloo."""
+        self._p2p_ready = True
+        if self.size > 1 and dist.get_backend(self.group) == "nccl":
+            dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=self.group)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         dist.send(tensor.contiguous(), self._global[dst], group=self._pg(tensor))
