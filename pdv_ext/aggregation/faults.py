@@ -70,7 +70,7 @@ def bit_flip(ctx: AttackContext) -> List[torch.Tensor]:
         if itype is not torch.int64:  # keep the bit pattern (the sign bit wraps into the narrow type)
             mask = ((mask + 2 ** (nbits - 1)) % 2 ** nbits - 2 ** (nbits - 1))
         bits = x.view(itype)
-        bits.bitwise_xor_(mask.to(itype))
+        bits.bitwise_xor_(mask.to(device=x.device, dtype=itype))  # drawn on the host, applied where x lives
         out.append(x)
     return out
 

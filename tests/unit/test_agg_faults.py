@@ -150,3 +150,16 @@ def test_guard_defers_to_the_fp16_loss_scaler():
     with pytest.raises(NonFiniteGradients) as info:
         run_threads(2, step(False))
     assert info.value.ranks == [1]
+
+
+def test_bit_flip_applies_its_host_drawn_mask_on_the_gradients_device():
+    """The mask is drawn by the CPU generator; on a GPU rank it must be applied on the GPU ("meta" plays it:
+    mixing it with a CPU tensor raises the same device error)."""
+    from pdv_ext.aggregation.faults import AttackContext, FaultsConfig, bit_flip
+
+    g = torch.zeros(8, 3, device="meta")
+    ctx = AttackContext(grads=[g], all_grads=None, step=0, rank=0, global_rank=0, size=2,
+                        generator=torch.Generator().manual_seed(0),
+                        config=FaultsConfig(byzantine_ranks=[0], attack="bit_flip", flip_prob=0.5), options={})
+    out = bit_flip(ctx)
+    assert out[0].device.type == "meta" and out[0].shape == g.shape
