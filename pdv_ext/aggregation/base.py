@@ -128,7 +128,9 @@ def all_finite(tensors: List[torch.Tensor]) -> bool:
 def sums_finite(tensors: List[torch.Tensor]) -> bool:
     """Whether every tensor's sum is finite (one read of the device): True proves every element finite,
     False means a NaN/Inf element or finite values whose sum overflowed (`finite_flags` tells which)."""
-    return not tensors or bool(torch.isfinite(torch.stack([t.sum().double() for t in tensors])).all())
+    # summed in float32 at least (an fp16 sum overflows at 65504, which loss-scaled gradients reach)
+    return not tensors or bool(torch.isfinite(torch.stack([
+        t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).double() for t in tensors])).all())
 
 
 def finite_on_device(tensors: List[torch.Tensor]) -> torch.Tensor:

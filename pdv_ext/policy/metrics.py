@@ -32,15 +32,28 @@ COLUMNS = ("step", "time", "samples", "batch_size", "micro_batches", "micro_batc
 
 
 def sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Σ|t|² over `tensors` as a float64 0-d tensor (stays on device: no sync until read)."""
+    """Σ|t|² over `tensors` as a float64 0-d tensor (stays on device: no sync until read). Norms are taken
+    in float32 at least: an fp16 norm overflows at 65504, which loss-scaled fp16 gradients reach."""
     ts = [t for t in tensors if t is not None and t.numel()]
     if not ts:
         return torch.zeros((), dtype=torch.float64)
     try:
-        norms = torch._foreach_norm(ts)
-    except (RuntimeError, TypeError):  # mixed dtypes/devices on old torch
-        norms = [t.norm() for t in ts]
+        norms = [torch._foreach_norm(group, 2, dtype=dt) for dt, group in _by_norm_dtype(ts).items()]
+        norms = [n for group in norms for n in group]
+    except (RuntimeError, TypeError):  # mixed devices, or an old torch
+        norms = [t.norm(dtype=_norm_dtype(t)) for t in ts]
     return torch.stack([n.to(torch.float64, copy=False).reshape(()) for n in norms]).square().sum()
+
+
+def _norm_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _by_norm_dtype(ts: Sequence[torch.Tensor]) -> Dict[torch.dtype, List[torch.Tensor]]:
+    out: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for t in ts:
+        out.setdefault(_norm_dtype(t), []).append(t)
+    return out
 
 
 def _report_scalars(report: Dict[str, Any]) -> tuple:

@@ -112,3 +112,11 @@ def test_the_audit_sees_a_sync_and_a_mix():
     assert len(reg.syncs) == 3 and reg.syncs[0].startswith("__float__"), reg.syncs
     assert "cpu (device to host)" in reg.syncs[1] and reg.syncs[2].startswith("item"), reg.syncs
     assert len(reg.mixes) == 1 and reg.mixes[0].startswith("add"), reg.mixes
+
+
+def test_the_healthy_check_of_fp16_gradients_is_one_read():
+    """Loss-scaled fp16 gradients summing past 65504 must not send every step down the exact path."""
+    from pdv_ext.aggregation.base import sums_finite
+
+    assert sums_finite([torch.full((1000,), 300.0, dtype=torch.float16)])
+    assert not sums_finite([torch.tensor([1.0, float("nan")], dtype=torch.float16)])

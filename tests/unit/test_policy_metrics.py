@@ -165,3 +165,9 @@ def test_device_timed_compute_is_read_once_per_window(monkeypatch):
     host = _timed(instruction, Monitor(comm, dp_size=1, config=MonitorConfig(tensorboard=False)), cuda=False)
     host(None, 0.0)  # CPU ranks: the host clock (no event created)
     assert len(FakeEvent.synced) == 2
+
+
+def test_sum_of_squares_of_fp16_gradients_does_not_overflow():
+    """Loss-scaled fp16 gradients: a norm taken in fp16 overflows at 65504 (inf, and the GNS with it)."""
+    ts = [torch.full((1000,), 300.0, dtype=torch.float16), torch.full((10,), 2.0, dtype=torch.bfloat16)]
+    assert float(sum_of_squares(ts)) == pytest.approx(1000 * 300.0 ** 2 + 10 * 4.0)
