@@ -94,7 +94,7 @@ def apply_scheme(model: nn.Module, scheme: str, seed: int, scale: float = 1.0) -
     are then multiplied by `scale`. Draws happen on CPU with a seeded generator (same on any device).
     Frozen parameters (requires_grad=False, e.g. pretrained parts) and their modules are left alone."""
     if scheme == "default":
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=_rng_devices()):
             torch.manual_seed(seed)
             for m in model.modules():
                 frozen = any(not p.requires_grad for p in m.parameters(recurse=False))
@@ -284,7 +284,7 @@ def search_init(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], d
     rounds: List[Dict[str, Any]] = []
     best_local: Optional[Tuple[float, str, Dict[str, torch.Tensor]]] = None  # probed weights (start_from=probed)
     default_score = None
-    with torch.random.fork_rng(devices=[]):  # probing must not shift the caller's data order or dropout
+    with torch.random.fork_rng(devices=_rng_devices()):  # probing must not shift the caller's data order or dropout
         torch.manual_seed(_mix(cfg.seed, "probe", comm.rank))
         for rnd in range(cfg.rounds):
             spread = 0.0 if rnd == 0 else cfg.spread * cfg.shrink ** (rnd - 1)
@@ -376,6 +376,14 @@ def full_model_from_pipeline(module: Any) -> nn.Module:
     return full
 
 
+def _rng_devices() -> List[int]:
+    """The devices whose RNG `fork_rng` must restore: `torch.manual_seed` reseeds CUDA too, so the
+    current GPU where CUDA is in use (only it: forking every GPU would open a context on each)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return [torch.cuda.current_device()]
+    return []
+
+
 def search_pipeline_init(module: Any, data_iter: Optional[Iterable], cfg: Union[Dict[str, Any], InitSearchConfig],
                          comm: Optional[Comm] = None) -> Dict[str, Any]:
     """Run the search over the whole model on every rank (world group by default) and load this stage's slice
@@ -387,12 +395,14 @@ def search_pipeline_init(module: Any, data_iter: Optional[Iterable], cfg: Union[
                            "(inputs, labels) batches) to pdv_ext.initialize"])
     if module.loss_fn is None:
         raise ConfigError(["pdv.init_search: the PipelineModule needs a loss_fn to score candidates"])
-    if comm is None:
-        from .comm.torch_comm import TorchComm
+    if comm is None:  # the world (every rank calls this); on NCCL its payloads travel on a gloo twin
+        import torch.distributed as dist
 
-        comm = TorchComm()
+        from .comm.torch_comm import TorchComm, host_twin
+
+        comm = TorchComm(host_group=host_twin([list(range(dist.get_world_size()))]))
     device = next(iter(module.parameters()), torch.empty(0)).device
-    with torch.random.fork_rng(devices=[]):  # building the full model must not shift the caller's RNG
+    with torch.random.fork_rng(devices=_rng_devices()):  # building the full model must not shift the caller's RNG
         full = full_model_from_pipeline(module).to(device)
     report = search_init(full, module.loss_fn, data_iter, comm, cfg, device=device)
     winner = full.state_dict()

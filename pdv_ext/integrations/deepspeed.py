@@ -497,6 +497,17 @@ def wrap_instructions(engine: Any, wrap: Callable[[type, Callable], Callable],
 # ---------------------------------------------------------------------------------------------------
 # initialize
 # ---------------------------------------------------------------------------------------------------
+def _bind_local_device() -> None:
+    """Bind this process to its GPU (`LOCAL_RANK`, as DeepSpeed's engine does later) on accelerators with
+    devices: NCCL object collectives stage on the current device, which is GPU 0 for every rank of a node
+    until something binds it ("Duplicate GPU" errors)."""
+    import os
+
+    acc = get_accelerator()
+    if acc.device_name() != "cpu" and "LOCAL_RANK" in os.environ:
+        acc.set_device(int(os.environ["LOCAL_RANK"]))
+
+
 def initialize(args: Any = None,
                model: Optional[nn.Module] = None,
                optimizer: Any = None,
@@ -562,6 +573,7 @@ def initialize(args: Any = None,
         raise ConfigError(["pdv.init_search: pass init_search_iter=... (this rank's (inputs, labels) batches)"])
     deepspeed.comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                     distributed_port=distributed_port, dist_init_required=dist_init_required)
+    _bind_local_device()  # the placement and init-search collectives below run before the engine binds it
     before = parameter_names(model)
     model._pdv_placement = resolve_placement(model, pdv_cfg)
     model_parameters = follow_rebuild(model, before, model_parameters, optimizer)

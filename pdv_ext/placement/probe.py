@@ -53,9 +53,13 @@ def _pingpong(peer: int, me_first: bool, size: int, reps: int) -> List[float]:
     import torch
     import torch.distributed as dist
 
-    buf = torch.empty(size // 4, dtype=torch.float32)
+    cuda = dist.get_backend() == "nccl"  # NCCL moves device memory only, and returns before it has moved it
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    buf = torch.empty(size // 4, dtype=torch.float32, device=dev)
+    wait = torch.cuda.synchronize if cuda else (lambda: None)
     out = []
     for r in range(reps + 1):
+        wait()
         t0 = time.perf_counter()
         if me_first:
             dist.send(buf, peer)
@@ -63,6 +67,7 @@ def _pingpong(peer: int, me_first: bool, size: int, reps: int) -> List[float]:
         else:
             dist.recv(buf, peer)
             dist.send(buf, peer)
+        wait()
         dt = time.perf_counter() - t0
         if r:  # the first round trip warms up the connection
             out.append(dt / 2)
@@ -200,6 +205,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     import yaml
 
     dist.init_process_group(backend=args.backend or "gloo")
+    if dist.get_backend() == "nccl":  # one GPU per rank: NCCL and its object collectives use the current one
+        import torch
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     try:
         data = measure(sorted(args.sizes), args.reps, args.matmul_size, rounds=args.rounds)
         if data is not None:

@@ -19,6 +19,7 @@ by the devices on either side of a stage boundary after that layer.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
@@ -747,8 +748,11 @@ def engine_overhead(num_layers: int, micro_batches: Sequence[int] = ENGINE_MICRO
 
     cmd = [sys.executable, "-m", "pdv_ext.placement.profile", "engine", str(num_layers), str(reps), str(warmup),
            *[str(b) for b in micro_batches]]
+    # the child's engines and the plain layers it subtracts run on the CPU, on any machine: what is measured
+    # is the engine's own Python, and timing CUDA engines by the host clock would mix in queued kernels
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except (OSError, subprocess.TimeoutExpired):
         return None
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
