@@ -52,7 +52,10 @@ class TorchComm(Comm):
 
     def _pg(self, *tensors: torch.Tensor) -> Optional[dist.ProcessGroup]:
         """The host group for CPU tensors (when there is one), the group otherwise."""
-        if self.host_group is not None and tensors and all(t.device.type == "cpu" for t in tensors):
+        return self._pg_for([t.device for t in tensors])
+
+    def _pg_for(self, devices: List[torch.device]) -> Optional[dist.ProcessGroup]:
+        if self.host_group is not None and devices and all(d.type == "cpu" for d in devices):
             return self.host_group
         return self.group
 
@@ -102,7 +105,9 @@ class TorchComm(Comm):
 
     def exchange(self, sends: Dict[int, Message], recvs: Dict[int, Message],
                  device: Optional[torch.device] = None) -> None:
-        pg = self._pg(*[t for m in (sends, recvs) for msg in m.values() for t in parts(msg)])
+        mine = [t for m in (sends, recvs) for msg in m.values() for t in parts(msg)]
+        # the group the others use: by this rank's tensors, or, with none, by the caller's device hint
+        pg = self._pg_for([t.device for t in mine] if mine else [torch.device(device)] if device is not None else [])
         if pg is self.group and not self._p2p_ready:
             self._ready_for_p2p()
         ops = []
