@@ -244,7 +244,7 @@ def profile_main(argv: Optional[List[str]] = None) -> int:
     import torch
 
     from ..models import gpt_layers, lm_loss, mlp_layers
-    from .profile import profile_layers
+    from .profile import ProfileMemoryError, profile_layers
 
     ap = argparse.ArgumentParser(prog="pdv profile", description="profile the layers of a demo model")
     ap.add_argument("--model", default="gpt", choices=["gpt", "mlp"])
@@ -274,8 +274,12 @@ def profile_main(argv: Optional[List[str]] = None) -> int:
         specs = mlp_layers(args.layers, args.hidden, 16, 4)
         sample, labels = torch.randn(args.micro_batch, 16), torch.randint(0, 4, (args.micro_batch,))
         loss_fn = torch.nn.functional.cross_entropy
-    prof = profile_layers(specs, sample, reps=args.reps, progress=sys.stderr.isatty(), loss_fn=loss_fn,
-                          labels=labels, calibrate={"auto": None, "on": True, "off": False}[args.calibrate])
+    try:
+        prof = profile_layers(specs, sample, reps=args.reps, progress=sys.stderr.isatty(), loss_fn=loss_fn,
+                              labels=labels, calibrate={"auto": None, "on": True, "off": False}[args.calibrate])
+    except ProfileMemoryError as exc:
+        print(f"pdv profile: {exc}", file=sys.stderr)
+        return 2
     prof.meta.update({"model": args.model, "layers": args.layers, "hidden": args.hidden})
     if args.engine:
         from .profile import engine_overhead

@@ -412,6 +412,37 @@ class _Kept:
             m.training = training
 
 
+#: device bytes per parameter byte while profiling: the parameter, its saved copy (`_Update`), the fixed
+#: update gradient, the backward's gradient, and AdamW's two moments (activations come on top)
+PROFILE_BYTES_PER_PARAM_BYTE = 6
+
+
+class ProfileMemoryError(MemoryError):
+    """The model cannot be profiled on one device: it names what would be needed and what is free."""
+
+
+def check_fits(built: Sequence[Any], free_bytes: int, dev: str = "cuda") -> None:
+    """Raise `ProfileMemoryError` (before anything moves to the device) when the layers' parameters,
+    times `PROFILE_BYTES_PER_PARAM_BYTE`, exceed the device's free memory: profiling holds the whole
+    model on one device, which a model split into pipeline stages because it does not fit cannot be."""
+    import torch
+    from torch import nn
+
+    target = torch.device(dev).type
+    ps = [p for m in built if isinstance(m, nn.Module) for p in m.parameters()]
+    params = sum(p.numel() * p.element_size() for p in ps)
+    resident = sum(p.numel() * p.element_size() for p in ps if p.device.type == target)  # not in the free bytes
+    need = PROFILE_BYTES_PER_PARAM_BYTE * params - resident
+    if need > free_bytes:
+        gib = 2 ** 30
+        raise ProfileMemoryError(
+            f"profiling needs the whole model on {dev}: {params / gib:.2f} GiB of parameters take at least "
+            f"{need / gib:.2f} GiB there (weights, a saved copy, two gradients, AdamW's moments; activations on "
+            f"top), {free_bytes / gib:.2f} GiB are free. Profile a smaller configuration of the same layers "
+            "(`pdv profile`, then scale), or on a larger device, and pass the profile JSON "
+            "(pdv.placement.profile)")
+
+
 def _place(mod: Any, dev: str) -> Any:
     """Put a module on the profiling device, in place (`nn.Module.to`); `_Kept.restore` undoes it."""
     return mod.to(dev)
@@ -560,13 +591,13 @@ def _profile(layers, sample_input, reps, warmup, dev, progress, loss_fn, labels,
     import torch
     from torch import nn
 
-    built = []
-    for spec in layers:
-        mod = spec.build() if hasattr(spec, "build") and hasattr(spec, "typename") else spec
+    built = [spec.build() if hasattr(spec, "build") and hasattr(spec, "typename") else spec for spec in layers]
+    if dev.startswith("cuda"):  # every layer is resident at once (a pass is timed as a GPU runs it)
+        check_fits(built, torch.cuda.mem_get_info(torch.device(dev))[0], dev)
+    for i, mod in enumerate(built):
         if isinstance(mod, nn.Module):
-            mod = _place(mod, dev)
+            built[i] = mod = _place(mod, dev)
             mod.train()
-        built.append(mod)
     x = [t.to(dev) for t in sample_input] if isinstance(sample_input, (list, tuple)) else sample_input.to(dev)
     first_input = x
     if loss_fn is not None and labels is not None:

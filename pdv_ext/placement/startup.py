@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional
 
 from ..config_base import ConfigError
 from .cluster import Cluster
-from .profile import Profile, profile_module
+from .profile import Profile, ProfileMemoryError, profile_module
 
 
 def _sample_input(pl: Any):
@@ -31,7 +31,10 @@ def load_or_profile(module: Any, pl: Any) -> Profile:
             return Profile.load(pl.profile)
         except ConfigError as exc:  # its lines name the file and the key
             raise ConfigError([f"pdv.placement.profile: {e}" for e in exc.errors]) from exc
-    prof = profile_module(module, _sample_input(pl), reps=pl.profile_reps)
+    try:
+        prof = profile_module(module, _sample_input(pl), reps=pl.profile_reps)
+    except ProfileMemoryError as exc:
+        raise ConfigError([f"pdv.placement.profile: not given, and the model cannot be profiled at start-up: {exc}"]) from exc
     if pl.profile:
         prof.save(pl.profile)
     return prof

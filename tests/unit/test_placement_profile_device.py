@@ -154,3 +154,21 @@ def test_calibrated_to_the_whole_pass():
     assert sum(l.fwd_bwd for l in prof.layers) == pytest.approx(whole)
     assert prof.meta["fwd_bwd_scale"] == pytest.approx(whole / prof.meta["layer_sum_seconds"])
     assert all(p.grad is None for m in layers for p in m.parameters())
+
+
+def test_a_model_too_large_for_the_device_is_refused_before_it_moves():
+    """Profiling holds every layer on one device (with a saved copy, two gradients and AdamW's moments):
+    a model that does not fit gets one error naming the sizes and the way out, before any move."""
+    from torch import nn
+
+    from pdv_ext.placement.profile import PROFILE_BYTES_PER_PARAM_BYTE, ProfileMemoryError, check_fits
+
+    layers = [nn.Linear(256, 256) for _ in range(4)]  # 4 x 257 KiB of float32 parameters
+    size = sum(p.numel() * 4 for m in layers for p in m.parameters())
+    check_fits(layers, PROFILE_BYTES_PER_PARAM_BYTE * size, "cuda")  # just fits
+    with pytest.raises(ProfileMemoryError, match=r"pdv\.placement\.profile") as exc:
+        check_fits(layers, PROFILE_BYTES_PER_PARAM_BYTE * size - 1, "cuda")
+    assert "GiB of parameters" in str(exc.value)
+    assert all(p.device.type == "cpu" for m in layers for p in m.parameters())
+    # parameters already on the device are not in its free memory: they count as already placed
+    check_fits(layers, (PROFILE_BYTES_PER_PARAM_BYTE - 1) * size, "cpu")
