@@ -259,6 +259,19 @@ def _adasum_group(tensors: Sequence[torch.Tensor], comm: Comm, eps: float,
         t.view(-1).copy_(v)
 
 
+#: halving points are kept on multiples of this many elements (64 bytes of float32): with tensors whose
+#: sizes are multiples of it too (the usual widths), every piece a kernel sees starts on a 16-byte line and
+#: the GPU kernels load and store 16 bytes at a time (`kernels.triton_gpu._aligned`)
+SPLIT_ALIGN = 16
+
+
+def _half(n: int) -> int:
+    """Where a slice of n elements is halved: n // 2, rounded down to SPLIT_ALIGN once that leaves both
+    halves at least that long. The same on every rank (sizes are); any split is a valid Adasum tree."""
+    h = n // 2
+    return h - h % SPLIT_ALIGN if h >= 2 * SPLIT_ALIGN else h
+
+
 def _adasum_virtual(buf: _Virtual, comm: Comm, eps: float, scratch: Optional[torch.Tensor] = None) -> None:
     size, rank = comm.size, comm.rank
     n, n_t = buf.n, len(buf.views)
@@ -305,7 +318,7 @@ def _adasum_virtual(buf: _Virtual, comm: Comm, eps: float, scratch: Optional[tor
         idx: Optional[torch.Tensor] = None
         if active:
             peer = rank ^ dist
-            mid = lo + (hi - lo) // 2
+            mid = lo + _half(hi - lo)
             (klo, khi), (slo, shi) = ((lo, mid), (mid, hi)) if left else ((mid, hi), (lo, mid))
             segs, idx = buf.plan(klo, khi, dev)
             comm.exchange({peer: buf.messages(slo, shi)}, {peer: recv_messages(klo, khi)})

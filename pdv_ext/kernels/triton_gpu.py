@@ -91,6 +91,12 @@ def _segments(tensors: Sequence[torch.Tensor]) -> Tuple[int, torch.Tensor]:
     return base, _cached((offsets, str(tensors[0].device)), lambda: _upload(list(offsets), tensors[0].device))
 
 
+def _aligned(*lists: Sequence[torch.Tensor]) -> bool:
+    """Whether every tensor of the lists starts on a 16-byte boundary (the kernels then load and store 16
+    bytes at a time). Host arithmetic on addresses the caller already has: no device access."""
+    return all(t.data_ptr() % 16 == 0 for ts in lists for t in ts if t.numel())
+
+
 @triton.jit
 def _to(x, P):
     """x rounded to the element type of pointer P as torch rounds: 16-bit types through float32, bfloat16
@@ -110,21 +116,44 @@ def _to(x, P):
 
 # ---- adasum -----------------------------------------------------------------------------------------------
 @triton.jit
-def _pair_block(A, AO, B, BO, REF, seg_of, start_of, sizes, BLOCK: tl.constexpr):
-    """This program's block of the segment lists a and b: (segment, offsets, mask, a in float64, b in float64)."""
-    pid = tl.program_id(0)
-    seg = tl.load(seg_of + pid)
-    offs = tl.load(start_of + pid) + tl.arange(0, BLOCK)
-    mask = offs < tl.load(sizes + seg)
-    x = tl.load((A + tl.load(AO + seg)).to(REF.dtype) + offs, mask=mask, other=0.0).to(tl.float64)
-    y = tl.load((B + tl.load(BO + seg)).to(REF.dtype) + offs, mask=mask, other=0.0).to(tl.float64)
-    return seg, offs, mask, x, y
+def _seg_ptr(base, offsets, seg, REF, ALIGN: tl.constexpr):
+    """Pointer to segment `seg` (base address + its byte offset, as REF's element type). With ALIGN (every
+    segment starts on 16 bytes, checked on the host) the compiler is told so: an address made from an
+    integer carries no alignment, and without it every load and store is one element wide."""
+    p = (base + tl.load(offsets + seg)).to(REF.dtype)
+    if ALIGN:
+        p = tl.multiple_of(p, 16)
+    return p
 
 
 @triton.jit
-def _dots_partial(A, AO, B, BO, REF, seg_of, start_of, sizes, part, nblocks, BLOCK: tl.constexpr):
+def _pair_block(A, AO, B, BO, REF, seg_of, start_of, sizes, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    """This program's block of the segment lists a and b: (segment, offsets, mask, whether the block is
+    full, a in float64, b in float64). A full block loads unmasked (vectorised: a mask that may change
+    within a vector forbids it); the last block of a segment loads masked."""
     pid = tl.program_id(0)
-    seg, offs, mask, x, y = _pair_block(A, AO, B, BO, REF, seg_of, start_of, sizes, BLOCK)
+    seg = tl.load(seg_of + pid)
+    start = tl.multiple_of(tl.load(start_of + pid), BLOCK)
+    size = tl.load(sizes + seg)
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < size
+    full = start + BLOCK <= size
+    pa = _seg_ptr(A, AO, seg, REF, ALIGN) + offs
+    pb = _seg_ptr(B, BO, seg, REF, ALIGN) + offs
+    if full:
+        x = tl.load(pa).to(tl.float64)
+        y = tl.load(pb).to(tl.float64)
+    else:
+        x = tl.load(pa, mask=mask, other=0.0).to(tl.float64)
+        y = tl.load(pb, mask=mask, other=0.0).to(tl.float64)
+    return seg, offs, mask, full, x, y
+
+
+@triton.jit
+def _dots_partial(A, AO, B, BO, REF, seg_of, start_of, sizes, part, nblocks, BLOCK: tl.constexpr,
+                  ALIGN: tl.constexpr):
+    pid = tl.program_id(0)
+    seg, offs, mask, full, x, y = _pair_block(A, AO, B, BO, REF, seg_of, start_of, sizes, BLOCK, ALIGN)
     tl.store(part + pid, tl.sum(x * y, axis=0))
     tl.store(part + nblocks + pid, tl.sum(x * x, axis=0))
     tl.store(part + 2 * nblocks + pid, tl.sum(y * y, axis=0))
@@ -149,17 +178,21 @@ def adasum_dots(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> Tuple[t
     out = torch.empty(3, len(a), dtype=torch.float64, device=dev)
     part = torch.empty(3, max(nblocks, 1), dtype=torch.float64, device=dev)
     if nblocks:
-        _dots_partial[(nblocks,)](*_segments(a), *_segments(b), a[0], seg, start, sizes, part, nblocks, BLOCK=BLOCK)
+        _dots_partial[(nblocks,)](*_segments(a), *_segments(b), a[0], seg, start, sizes, part, nblocks, BLOCK=BLOCK,
+                                  ALIGN=_aligned(a, b))
     _dots_reduce[(len(a),)](part, first, out, max(nblocks, 1), len(a), RB=256)
     return out[0], out[1], out[2]
 
 
 @triton.jit
-def _combine(A, AO, B, BO, O, OO, REF, seg_of, start_of, sizes, CA, CB, BLOCK: tl.constexpr):
-    seg, offs, mask, x, y = _pair_block(A, AO, B, BO, REF, seg_of, start_of, sizes, BLOCK)
+def _combine(A, AO, B, BO, O, OO, REF, seg_of, start_of, sizes, CA, CB, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    seg, offs, mask, full, x, y = _pair_block(A, AO, B, BO, REF, seg_of, start_of, sizes, BLOCK, ALIGN)
     r = x * tl.load(CA + seg) + y * tl.load(CB + seg)
-    po = (O + tl.load(OO + seg)).to(REF.dtype)
-    tl.store(po + offs, _to(r, po), mask=mask)
+    po = _seg_ptr(O, OO, seg, REF, ALIGN)
+    if full:
+        tl.store(po + offs, _to(r, po))
+    else:
+        tl.store(po + offs, _to(r, po), mask=mask)
 
 
 def adasum_combine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ca: torch.Tensor, cb: torch.Tensor,
@@ -171,7 +204,7 @@ def adasum_combine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ca: tor
     ca64 = ca.to(device=dev, dtype=torch.float64, non_blocking=dev.type != "cpu").contiguous()
     cb64 = cb.to(device=dev, dtype=torch.float64, non_blocking=dev.type != "cpu").contiguous()
     _combine[(nblocks,)](*_segments(a), *_segments(b), *_segments(outs), a[0], seg, start, sizes, ca64, cb64,
-                         BLOCK=BLOCK, enable_fp_fusion=False)
+                         BLOCK=BLOCK, ALIGN=_aligned(a, b, outs), enable_fp_fusion=False)
 
 
 # ---- top-k with error feedback ------------------------------------------------------------------------------

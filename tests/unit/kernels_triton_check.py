@@ -49,8 +49,21 @@ def main(cases):
         a[3], b[4] = strided(a[3]), strided(b[4])  # mixed layouts in one list
         return a, b
 
+    def unaligned(ts):  # the same values as pieces of one buffer, starting one element past a 16-byte line
+        flat = torch.zeros(1 + sum(t.numel() for t in ts), dtype=ts[0].dtype)
+        out, pos = [], 1
+        for t in ts:
+            out.append(flat[pos:pos + t.numel()].view(t.shape))
+            out[-1].copy_(t)
+            pos += t.numel()
+        return out
+
     def dots(dt):
         a, b = lists(dt)
+        ua, ub = unaligned(a), unaligned(b)
+        assert T._aligned([x.contiguous() for x in a]) and not T._aligned(ua)  # both kernel variants run
+        for x, y in zip(K.adasum_dots(ua, ub), K.adasum_dots(a, b)):
+            same(x, y)
         got = K.adasum_dots(a, b)
         ref = R.adasum_dots([x.double() for x in a], [y.double() for y in b])  # products exact in float64
         for x, y in zip(got, ref):
@@ -64,6 +77,9 @@ def main(cases):
         ca = torch.linspace(-1.5, 2.0, len(a), dtype=torch.float64)
         cb = torch.linspace(0.3, 0.9, len(a), dtype=torch.float64)
         ref = R.adasum_combine(a, b, ca, cb)
+        ua, ub = unaligned(a), unaligned(b)
+        for x, y in zip(K.adasum_combine(ua, ub, ca, cb, out=ua), ref):  # unaligned, written in place
+            same(x, y)
         for x, y in zip(K.adasum_combine(a, b, ca, cb), ref):
             same(x, y)
         eps = torch.finfo(dt).eps  # one rounding of the float64 value: within eps/2 relative (+ float32 for 16-bit)
@@ -201,6 +217,10 @@ def main(cases):
     print(json.dumps(out))
 
 
+#: the 16-byte vector load of each dtype in PTX
+_VEC = {"fp32": "ld.global.v4.b32", "bf16": "ld.global.v4.b32", "fp64": "ld.global.v2.b64"}
+
+
 def compile_all():
     import triton
     from triton.backends.compiler import GPUTarget
@@ -213,10 +233,13 @@ def compile_all():
 
     out = {}
 
-    def comp(name, fn, signature, consts, **opts):
+    def comp(name, fn, signature, consts, must=None, **opts):
         try:
             src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in consts}}, constexprs=consts)
-            assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+            assert ptx
+            if must is not None:  # e.g. 16-byte vector loads: what the ALIGN hint is for
+                assert must in ptx, f"no '{must}' in the PTX"
             out[name] = "ok"
         except Exception:
             out[name] = traceback.format_exc(limit=3)[-2000:]
@@ -224,10 +247,13 @@ def compile_all():
     lists = ["A", "AO", "B", "BO"]
     for dt in ("fp32", "bf16", "fp64"):
         p, key = "*" + dt, "*i64" if dt == "fp64" else "*i32"
-        comp(f"dots_partial_{dt}", T._dots_partial, sig(lists + ["REF", "seg_of", "start_of", "sizes", "part",
-             "nblocks"], A="i64", B="i64", REF=p, part="*fp64", nblocks="i32"), {"BLOCK": 4096})
-        comp(f"combine_{dt}", T._combine, sig(lists + ["O", "OO", "REF", "seg_of", "start_of", "sizes", "CA", "CB"],
-             A="i64", B="i64", O="i64", REF=p, CA="*fp64", CB="*fp64"), {"BLOCK": 4096}, enable_fp_fusion=False)
+        for align in (False, True):  # 16-byte aligned segments: vector loads and stores on full blocks
+            comp(f"dots_partial_{dt}_align{int(align)}", T._dots_partial, sig(lists + ["REF", "seg_of", "start_of",
+                 "sizes", "part", "nblocks"], A="i64", B="i64", REF=p, part="*fp64", nblocks="i32"),
+                 {"BLOCK": 4096, "ALIGN": align}, must=_VEC[dt] if align else None)
+            comp(f"combine_{dt}_align{int(align)}", T._combine, sig(lists + ["O", "OO", "REF", "seg_of", "start_of",
+                 "sizes", "CA", "CB"], A="i64", B="i64", O="i64", REF=p, CA="*fp64", CB="*fp64"),
+                 {"BLOCK": 4096, "ALIGN": align}, must=_VEC[dt] if align else None, enable_fp_fusion=False)
         comp(f"topk_prep_{dt}", T._topk_prep, sig(["U", "R", "KEY", "n"], U=p, R=p, KEY=key, n="i32"), {"BLOCK": 4096})
         comp(f"topk_count_{dt}", T._topk_count, sig(["KEY", "THR", "counts", "n", "nblocks"], KEY=key, THR=key,
              n="i32", nblocks="i32"), {"BLOCK": 4096})

@@ -309,3 +309,34 @@ def test_layout_plans_are_cached_per_layout():
     hits = _plan.cache_info().hits
     run(per_rank, 3)
     assert _plan.cache_info().misses == misses and _plan.cache_info().hits > hits
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_kernel_pieces_start_on_16_byte_lines(size, monkeypatch):
+    """Tensors whose sizes are multiples of 16 elements (the usual widths): every piece the kernels get
+    starts on a 16-byte line (the GPU kernels then move 16 bytes per load), because halving points are
+    kept on multiples of 16 elements. Here plain n // 2 halvings would fall mid-line at 8 ranks
+    (6592 / 8 = 824 elements, not a multiple of 16)."""
+    from pdv_ext import kernels
+
+    seen = []
+    dots, combine = kernels.adasum_dots, kernels.adasum_combine
+
+    def spy_dots(a, b):
+        seen.extend(t.data_ptr() % 16 for t in list(a) + list(b) if t.numel())
+        return dots(a, b)
+
+    def spy_combine(a, b, ca, cb, out=None):
+        seen.extend(t.data_ptr() % 16 for t in list(a) + list(b) if t.numel())
+        return combine(a, b, ca, cb, out=out)
+
+    monkeypatch.setattr(kernels, "adasum_dots", spy_dots)
+    monkeypatch.setattr(kernels, "adasum_combine", spy_combine)
+    shapes = [(48, 80), (80,), (16, 48), (48,), (16 * 37,)]  # 6592 elements
+
+    def fn(comm):
+        g = torch.Generator().manual_seed(comm.rank)
+        return build_aggregator({"type": "adasum"})([torch.randn(s, generator=g) for s in shapes], comm)
+
+    run_threads(size, fn)
+    assert seen and not any(seen), sorted(set(seen))
