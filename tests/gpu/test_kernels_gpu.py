@@ -71,6 +71,28 @@ def test_adasum_on_cuda_matches_reference(impl, dt):
         same(x, z), same(y, z)
 
 
+@pytest.mark.parametrize("dt", DTYPES)
+def test_adasum_on_aligned_and_unaligned_pieces(impl, dt):
+    """The Triton list kernels take 16-byte vector accesses when every piece starts on a 16-byte line and
+    element-wide ones otherwise (adasum's pieces of one buffer): both give the reference's bits."""
+    g = torch.Generator().manual_seed(3)
+    sizes = [16, 4096, 4096 * 3 + 16, 100_000]
+    for shift in (0, 1):  # 0: every piece aligned; 1: all one element past the line
+        flat_a = torch.randn(shift + sum(sizes), generator=g).to(dt).cuda()
+        flat_b = torch.randn(shift + sum(sizes), generator=g).to(dt).cuda()
+        a = list(torch.split(flat_a[shift:], sizes))
+        b = list(torch.split(flat_b[shift:], sizes))
+        assert all((t.data_ptr() % 16 == 0) == (shift == 0) for t in a + b)
+        for x, y in zip(K.adasum_dots(a, b), R.adasum_dots(cpu(a), cpu(b))):
+            torch.testing.assert_close(x.cpu(), y, rtol=1e-12, atol=1e-12)
+        ca = torch.linspace(-1.5, 2.0, len(a), dtype=torch.float64)
+        cb = torch.linspace(0.3, 0.9, len(a), dtype=torch.float64)
+        want = R.adasum_combine(cpu(a), cpu(b), ca, cb)
+        K.adasum_combine(a, b, ca, cb, out=a)
+        for x, y in zip(a, want):
+            same(x, y)
+
+
 @pytest.mark.parametrize("select", ["torch", "radix"])  # the threshold finder (PDV_TOPK_SELECT)
 @pytest.mark.parametrize("dt", DTYPES)
 def test_topk_on_cuda_matches_reference(impl, dt, select, monkeypatch):
