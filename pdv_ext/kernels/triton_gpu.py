@@ -352,12 +352,13 @@ def topk_select(select: Optional[str] = None) -> str:
 def topk_error_feedback(update: torch.Tensor, residual: torch.Tensor, k: int,
                         select: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """`update`, `residual` contiguous and flat, 0 < k < n (the caller handles k = 0 and k = n). `select`:
-    "torch" or "radix" (default: PDV_TOPK_SELECT, else TOPK_SELECT; see topk_select)."""
+    "torch" or "radix" (default: PDV_TOPK_SELECT, else TOPK_SELECT; see topk_select); radix counts in int32,
+    so 2^31 entries or more take torch.topk."""
     n = update.numel()
     nblocks = triton.cdiv(n, BLOCK)
     key = torch.empty(n, dtype=torch.int64 if update.dtype == torch.float64 else torch.int32, device=update.device)
     _topk_prep[(nblocks,)](update, residual, key, n, BLOCK=BLOCK)
-    if topk_select(select) == "radix" and key.dtype == torch.int32:
+    if topk_select(select) == "radix" and key.dtype == torch.int32 and n < 2 ** 31:  # int32 bin counts
         thr = _radix_threshold(key, k)
     else:
         thr = torch.topk(key, k, sorted=False).values.min()
