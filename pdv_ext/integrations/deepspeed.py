@@ -271,6 +271,14 @@ class PDVPipelineEngine(PipelineEngine):
         from ..policy.engine import build_glue  # pdv.policy: Monitor + PolicyRunner (None when unused)
 
         self.pdv_policy = build_glue(self)
+        self._check_takeover_once()  # the hooks now exist: can `mean` under ZeRO-1 hand them the gradients?
+
+    def _check_takeover_once(self) -> None:
+        """`mean` under ZeRO-1 becomes pdv's reduction when a grad hook watches the gradients: check the ZeRO
+        settings for that (once per aggregator, at start-up and before the first such reduction)."""
+        if not self._takeover_checked and self.reduce_mode == "zero" and not self.uses_deepspeed_reduction:
+            self._check_zero_takeover(self.aggregator.name, hooked=True)
+            self._takeover_checked = True
 
     # -- aggregation ------------------------------------------------------------------------------
     def set_aggregator(self, spec: Any) -> Aggregator:
@@ -283,20 +291,30 @@ class PDVPipelineEngine(PipelineEngine):
             agg.options.prescale = not self.postscale_gradients()
             agg.options.predivide_factor = float(self.gradient_predivide_factor())
         native = self.reduce_mode != "engine" and agg.name == "mean"
-        if self.reduce_mode == "zero" and not native:
-            self._check_zero_takeover(agg.name)
+        if self.reduce_mode == "zero" and (not native or self._grads_watched()):
+            self._check_zero_takeover(agg.name, hooked=native)
         bind_group(agg, self.dp_comm)
         self.aggregator = agg
         self._native_reduce = native
+        self._takeover_checked = not (self.reduce_mode == "zero" and native)  # hooks added later: checked then
         return agg
 
-    def _check_zero_takeover(self, name: str) -> None:
-        """What ZeRO-1 settings a non-mean aggregator cannot run under (each named by its config key)."""
+    def _check_zero_takeover(self, name: str, hooked: bool = False) -> None:
+        """What ZeRO-1 settings pdv cannot take the reduction over under (each named by its config key): a
+        non-mean aggregator, or `mean` while a grad hook (pdv.policy's Monitor, pdv.faults) needs the whole
+        averaged gradients. Where ZeRO keeps compact partition buffers it fills them only inside its own
+        reduction: taken over, the optimizer would step on zeros."""
         opt, errors = self.optimizer, []
-        why = f"pdv.aggregation.type '{name}' under ZeRO stage 1"
+        if hooked:
+            who = ", ".join(sorted({type(h).__name__ for h in self.grad_hooks
+                                    if getattr(h, "needs_full_gradients", True)}))
+            why = f"pdv.policy / pdv.faults (grad hooks reading the whole averaged gradients: {who}) under ZeRO stage 1"
+        else:
+            why = f"pdv.aggregation.type '{name}' under ZeRO stage 1"
         if self.zero_cpu_offload():
             errors.append(f"zero_optimization.offload_optimizer: {why} needs the gradients on the device (no "
-                          "optimizer offload); use 'mean' or turn offload off")
+                          "optimizer offload); " + ("turn offload off, or run without the hooks" if hooked
+                                                   else "use 'mean' or turn offload off"))
         if getattr(opt, "overlap_comm", False):
             errors.append(f"zero_optimization.overlap_comm: {why} needs it false (the pipeline reduces at the "
                           "step boundary anyway)")
@@ -441,6 +459,7 @@ class PDVPipelineEngine(PipelineEngine):
             return PipelineEngine._exec_reduce_grads(self)
         if self.uses_deepspeed_reduction:
             return self._native_mean()
+        self._check_takeover_once()  # a hook appended after start-up
         # the aggregator takes over (under ZeRO-1 also `mean` while a hook watches the gradients: ZeRO
         # leaves only this rank's partition reduced, the hooks need the whole average)
         self._force_grad_boundary = True

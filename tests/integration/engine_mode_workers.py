@@ -118,7 +118,33 @@ def train_matrix(plan: List[Any], **kwargs: Any) -> Dict[str, Any]:
         out["rank"] = res["rank"]
         out[mode] = res[mode]
     out["zero2_error"] = zero2_error()
+    out["hooked_mean_error"] = hooked_mean_error()
     return out
+
+
+def hooked_mean_error() -> Optional[str]:
+    """The message for `mean` + a fault hook under bf16 + ZeRO-1 with optimizer offload and fp32
+    accumulation: ZeRO fills its compact partition buffers only in its own reduction, so pdv must not take
+    it over (the optimizer stepped on zeros, silently). None if an engine was built."""
+    import torch.distributed as dist
+    from deepspeed.pipe import PipelineModule
+
+    import pdv_ext
+    from pdv_ext.config_base import ConfigError
+
+    model = PipelineModule(layers=[torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=2,
+                           loss_fn=torch.nn.MSELoss())
+    cfg = mode_config("bf16_zero1", 1, 1, dist.get_world_size() // 2)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    cfg["zero_force_ds_cpu_optimizer"] = False
+    cfg["pdv"] = {"aggregation": {"type": "mean"},
+                  "faults": {"byzantine_ranks": [1], "attack": "sign_flip", "start_step": 100000}}
+    try:
+        pdv_ext.initialize(model=model, config=cfg, model_parameters=list(model.parameters()))
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 def zero2_error() -> Optional[str]:

@@ -96,3 +96,7 @@ def test_non_mean_aggregators_train_under_bf16_and_zero1():
                     assert torch.equal(w, b["weights"][n]), (mode, name, stage, n)
     for r in res:
         assert r["zero2_error"] is not None and "zero_optimization.stage" in r["zero2_error"]
+        # mean + a hook under ZeRO-1 with compact partition buffers: refused at start-up, naming both keys
+        err = r["hooked_mean_error"]
+        assert err is not None and "zero_optimization.offload_optimizer" in err and "FaultInjector" in err, err
+        assert "data_types.grad_accum_dtype" in err, err
