@@ -223,7 +223,7 @@ class NonFiniteGuard:
 
     def pre(self, aggregator: Any, grads: List[torch.Tensor], comm: Comm, step: int) -> None:
         self._ok_dev = None
-        if self.tolerant(aggregator) or self.self_checking(aggregator):
+        if self.defer or self.tolerant(aggregator) or self.self_checking(aggregator):
             return
         identical = getattr(aggregator, "replicas_identical", True)
         if identical and grads and device_path(grads[0]):
@@ -239,7 +239,7 @@ class NonFiniteGuard:
                 self._raise(aggregator, comm, step)
 
     def post(self, aggregator: Any, out: List[torch.Tensor], comm: Comm, step: int) -> None:
-        if self.tolerant(aggregator) or not getattr(aggregator, "replicas_identical", True):
+        if self.defer or self.tolerant(aggregator) or not getattr(aggregator, "replicas_identical", True):
             return
         if self.self_checking(aggregator):  # it looked at its own reduced buffer: no pass over `out`
             if aggregator.nonfinite_local_ok is not None:  # identical on every rank: all get here together
@@ -290,6 +290,26 @@ class NonFiniteGuard:
     def after(self, engine: Any, grads: List[torch.Tensor]) -> None:
         if not self.defer:
             self.post(engine.aggregator, grads, engine.dp_comm, int(engine.global_steps))
+
+
+def loss_scale_overflow(aggregator: Any, grads: List[torch.Tensor], comm: Any) -> bool:
+    """Loss-scaled gradients (DeepSpeed fp16, torch AMP's GradScaler under Horovod): whether some replica
+    overflowed, for aggregators that would not pass the overflow on. `mean` and `adasum` carry an inf into
+    every replica's result, so the scaler skips the step and lowers the scale everywhere, as with the
+    frameworks' own reduction. The robust aggregators would drop that replica instead (the scale never
+    backs off, and once every replica overflows they raise), and gossip would keep the inf in its residual
+    and its neighbours' state. For those the replicas agree first (one flag, on the host group); on an
+    overflow anywhere every replica fills its gradients with inf and the aggregator - and its state - is
+    not run: all replicas skip the step together."""
+    if getattr(aggregator, "replicas_identical", True) and not getattr(aggregator, "tolerates_nonfinite", False):
+        return False
+    ok = bool(finite_on_device(grads).item()) if grads else True
+    if comm.size > 1:
+        ok = comm.all_reduce_scalars([0.0 if ok else 1.0], "max")[0] == 0.0
+    if not ok:
+        for g in grads:
+            g.fill_(float("inf"))
+    return not ok
 
 
 def install_fault_hooks(engine: Any) -> None:

@@ -23,6 +23,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
 
 from ..aggregation import Aggregator, bind_group, build_aggregator
+from ..aggregation.faults import loss_scale_overflow
 from ..comm import TorchComm, host_twin
 from ..config import ConfigError, PDVConfig, split_config
 
@@ -386,6 +387,8 @@ class PDVPipelineEngine(PipelineEngine):
 
     def aggregate_gradients(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         """Run the grad hooks and the aggregator over this stage's data-parallel group."""
+        if self.fp16_enabled() and loss_scale_overflow(self.aggregator, grads, self.dp_comm):
+            return grads  # every replica skips this step with DeepSpeed's loss scaler (see loss_scale_overflow)
         if self.aggregator.needs_validation:  # Zeno: one validation micro-batch through the pipeline
             self._refresh_validation()
         for hook in self.grad_hooks:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..aggregation import Aggregator, bind_group, build_aggregator
-from ..aggregation.faults import FaultInjector, NonFiniteGuard
+from ..aggregation.faults import FaultInjector, NonFiniteGuard, loss_scale_overflow
 from ..aggregation.faults_config import FaultsConfig
 from ..aggregation.mean import Mean
 from ..comm.horovod_comm import _REDUCE_AS, HorovodComm, _hvd
@@ -64,7 +64,8 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
     """Methods copied into the dynamically created optimizer class (see `DistributedOptimizer`)."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, reduction,
-                 gradient_predivide_factor, sparse_as_dense, process_set, validation_loss, faults=None):
+                 gradient_predivide_factor, sparse_as_dense, process_set, validation_loss, faults=None,
+                 loss_scaled=False):
         super(self.__class__, self).__init__(params)
         hvd = _hvd()
         self._hvd = hvd
@@ -105,7 +106,8 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
         self._native_op = None
         self.set_aggregator(reduction)
         self.global_steps = 0  # reductions so far (the step faults and the non-finite guard report)
-        self._guard = NonFiniteGuard()
+        self.loss_scaled = bool(loss_scaled)
+        self._guard = NonFiniteGuard(defer=self.loss_scaled)  # scaled gradients: overflows are the scaler's
         self.pdv_faults: Optional[FaultInjector] = None
         if faults is not None and faults.byzantine_ranks:
             # a grad hook like any other (it forces the aggregator path); label_flip is a data hook:
@@ -238,6 +240,18 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
                 p.grad = p.grad.to_dense()
         packed = [self._compression.compress(p.grad) for p in params]
         grads = [t for t, _ in packed]
+        if self.loss_scaled and loss_scale_overflow(self.aggregator, grads, self.comm):
+            out = grads  # inf on every rank: the GradScaler skips this step and lowers its scale everywhere
+        else:
+            out = self._aggregate_with_hooks(grads)
+        for p, o, (_, ctx) in zip(params, out, packed):
+            g = self._compression.decompress(o, ctx)
+            if g is not p.grad:
+                p.grad.copy_(g)
+        for p in sparse:
+            p.grad = p.grad.to_sparse()
+
+    def _aggregate_with_hooks(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         for hook in self.grad_hooks:
             grads = hook.before(self, grads)
         if self.aggregator.needs_validation and getattr(self.aggregator, "validation_fn", None) is None \
@@ -245,18 +259,14 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"aggregator '{self.aggregator.name}' needs validation gradients: pass "
                              "validation_loss=<callable returning the loss on a trusted batch> to DistributedOptimizer")
         # NaN/Inf from any rank: filtered by the robust aggregators, a NonFiniteGradients error naming the
-        # rank and step with the others (the native path leaves this to Horovod, as hvd does)
+        # rank and step with the others (the native path leaves this to Horovod, as hvd does); with
+        # loss_scaled=True an overflow is left to the GradScaler instead
         self._guard.pre(self.aggregator, grads, self.comm, self.global_steps)
         out = self.aggregator(grads, self.comm)
         self._guard.post(self.aggregator, out, self.comm, self.global_steps)
         for hook in self.grad_hooks:
             hook.after(self, out)
-        for p, o, (_, ctx) in zip(params, out, packed):
-            g = self._compression.decompress(o, ctx)
-            if g is not p.grad:
-                p.grad.copy_(g)
-        for p in sparse:
-            p.grad = p.grad.to_sparse()
+        return out
 
     @contextmanager
     def skip_synchronize(self):
@@ -330,7 +340,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          backward_passes_per_step: int = 1, op=None, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups=None, sparse_as_dense: bool = False, process_set=None,
                          aggregation: Any = None, validation_loss: Optional[Callable[[], torch.Tensor]] = None,
-                         faults: Any = None):
+                         faults: Any = None, loss_scaled: bool = False):
     """`hvd.DistributedOptimizer` plus `aggregation` (a registered aggregator name, a `{"type": ...,
     **options}` dict, an Aggregator, or a PDVConfig/`pdv.aggregation` section).
 
@@ -341,6 +351,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     candidates against a validation gradient (zeno; refreshed every `refresh_every` steps).
     `faults` (a `pdv.faults` dict or FaultsConfig; taken from a whole PDVConfig passed as `aggregation`)
     makes the listed global ranks Byzantine, as under DeepSpeed (`optimizer.pdv_faults`).
+    `loss_scaled=True` for gradients scaled by torch AMP's `GradScaler` (fp16): an overflow on any rank is
+    not an error but reaches every rank as inf, so the scaler skips the step and lowers its scale on all
+    of them (`faults.loss_scale_overflow`); the aggregators that would filter it never see it.
     """
     hvd = _hvd()
     if not hvd.is_initialized():
@@ -366,7 +379,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     namespace["_pdv_distributed"] = True
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, reduction,
-               gradient_predivide_factor, sparse_as_dense, process_set, validation_loss, faults)
+               gradient_predivide_factor, sparse_as_dense, process_set, validation_loss, faults, loss_scaled)
 
 
 # ---- elastic: the pdv part of the optimizer state is broadcast from rank 0 on sync ------------------------

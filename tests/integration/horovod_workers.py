@@ -296,7 +296,40 @@ def _fault_checks() -> Dict[str, Any]:
     res["faults_median_finite"] = all(bool(torch.isfinite(p).all()) for p in hist[-1])
     res["faults_median_steps"] = opt.global_steps
     res["faults_injected"] = opt.pdv_faults.last if opt.pdv_faults.byzantine else None
+    res.update(_amp_overflow_checks())
     return res
+
+
+def _amp_overflow_checks(steps: int = 4, bad_step: int = 1) -> Dict[str, Any]:
+    """loss_scaled=True with torch AMP's GradScaler: rank 1's gradients overflow at `bad_step`; with median
+    (which would drop that rank) every rank skips that step together and halves its scale, nobody raises."""
+    import horovod.torch as hvd
+
+    import pdv_ext.horovod as ph
+
+    model = _model()
+    opt = ph.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                  aggregation="median", loss_scaled=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    step = [0]
+    model[0].weight.register_hook(lambda g: g * float("inf") if hvd.rank() == 1 and step[0] == bad_step else g)
+    data = _batches(hvd.rank(), steps)
+    before, scales, moved = None, [], []
+    for s in range(steps):
+        step[0] = s
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        x, y = data[s]
+        scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        moved.append(any(not torch.equal(a, p) for a, p in zip(before, model.parameters())))
+    return {"amp_scales": scales, "amp_moved": moved, "amp_agg_steps": opt.aggregator.step,
+            "amp_weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
 
 
 def _adasum_checks() -> Dict[str, Any]:

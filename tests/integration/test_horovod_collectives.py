@@ -2,6 +2,7 @@
 
 One launch per backend runs every check (starting horovodrun costs seconds on a busy machine)."""
 import pytest
+import torch
 
 from tests.integration.horovod_workers import run_horovod
 
@@ -36,6 +37,11 @@ def _check_optimizer(results, n):
         assert res["faults_mean_error"] == [[1], 1, True]
         assert res["faults_median_finite"] and res["faults_median_steps"] == 4
         assert res["faults_injected"] == ({"step": 3, "attack": "nan"} if res["rank"] == 1 else None)
+        # loss_scaled=True (AMP GradScaler): rank 1 overflows at step 1; every rank skips it and halves its
+        # scale, median does not run that step, and the replicas stay identical
+        assert res["amp_moved"] == [True, False, True, True] and res["amp_scales"] == [1024.0, 512.0, 512.0, 512.0]
+        assert res["amp_agg_steps"] == 3
+        assert torch.equal(res["amp_weights"], results[0]["amp_weights"])
         assert res.get("adasum_ran"), "adasum aggregator missing"
         if "adasum_maxdiff" in res:
             assert res["adasum_maxdiff"] < 1e-4
