@@ -229,7 +229,9 @@ def load_state(engine: Any, load_dir: str, tag: Optional[str]) -> bool:
     path = _path(engine, load_dir, tag)
     if not os.path.isfile(path):
         return False
-    st = torch.load(path, weights_only=False)
+    # onto this rank's device (the gossip residual, zeno's validation gradient): a checkpoint written on
+    # cuda:r resumes where the rank now runs, whichever GPU (or none) that is
+    st = torch.load(path, weights_only=False, map_location=getattr(engine, "device", "cpu"))
     spec = dict(st["aggregator"])
     if spec != {"type": engine.aggregator.name, **engine.aggregator.options.model_dump()}:
         engine.set_aggregator(spec)
