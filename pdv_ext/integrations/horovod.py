@@ -314,7 +314,9 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
         current = {"type": self.aggregator.name, **self.aggregator.options.model_dump()}
         if native != self._native_op or current != state["aggregator"]:
             self.set_aggregator(spec)
-        self.aggregator.load_state_dict(copy.deepcopy(state["aggregator_state"]))
+        # tensors onto this rank's device: state pickled on rank 0's GPU unpickles onto that GPU's index
+        dev = next((p.device for p in self._ordered), None)
+        self.aggregator.load_state_dict(_on_device(copy.deepcopy(state["aggregator_state"]), dev))
         self.set_backward_passes_per_step(state.get("backward_passes_per_step", self.backward_passes_per_step))
         self.global_steps = int(state.get("global_steps", self.global_steps))
 
@@ -470,6 +472,19 @@ class HorovodApplier:
         if not hasattr(agg, "set_peers"):
             raise ValueError(f"SetGossipPeers: the aggregator '{agg.name}' has no peers (switch to gossip first)")
         agg.set_peers(peers)
+
+
+def _on_device(obj: Any, device: Optional[torch.device]) -> Any:
+    """`obj` with every tensor in it (nested dicts, lists, tuples) moved to `device` (None: unchanged)."""
+    if device is None:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _on_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_device(v, device) for v in obj)
+    return obj
 
 
 def _sync_cuda_if_used() -> None:

@@ -75,3 +75,18 @@ def test_comm_byte_views_of_any_layout():
     assert _flat_view(col) is None and torch.equal(_bytes(col).view(torch.float32), col)
     assert _bytes(torch.empty(0, 3)).numel() == 0
     assert torch.equal(_bytes(torch.ones(2, dtype=torch.bfloat16)).view(torch.bfloat16), torch.ones(2, dtype=torch.bfloat16))
+
+
+def test_elastic_state_tensors_follow_the_ranks_device():
+    """Aggregator state broadcast from rank 0 unpickles onto rank 0's GPU index: it is moved to this rank's
+    parameters' device before loading ("meta" plays this rank's GPU)."""
+    import torch
+
+    from pdv_ext.integrations.horovod import _on_device
+
+    state = {"step": 3, "residual": torch.ones(4), "parts": [torch.zeros(2), (torch.ones(1), "x")]}
+    moved = _on_device(state, torch.device("meta"))
+    assert moved["step"] == 3 and moved["residual"].device.type == "meta"
+    assert moved["parts"][0].device.type == "meta" and moved["parts"][1][0].device.type == "meta"
+    assert moved["parts"][1][1] == "x" and isinstance(moved["parts"][1], tuple)
+    assert _on_device(state, None) is state
