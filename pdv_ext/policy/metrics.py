@@ -170,9 +170,7 @@ class Monitor:
                           "samples_per_s": batch / wall if wall > 0 else math.nan})
             self.begin_step()
             return None
-        if w["spans"]:  # device-timed compute: every event has completed once the device was read above
-            w["spans"][-1][1].synchronize()
-            w["compute"] += sum(a.elapsed_time(b) for a, b in w["spans"]) / 1e3
+        self._drain_spans()
         n, g = w["n"], max(w["grads"], 1)
         mine = torch.tensor([w["wall"] / n, w["compute"] / n, w["local_sq"] / g, w["agg_sq"] / g,
                              math.nan if loss is None else float(loss), w["dropped"], w["cd"],
@@ -255,14 +253,24 @@ class Monitor:
             self._writer = None
 
     # ---- checkpoints ----------------------------------------------------------------------------
+    def _drain_spans(self) -> None:
+        """Fold the window's device-timed spans into its compute seconds (one wait on the last event;
+        after the step's end waited for the device, none)."""
+        w = self._window
+        if w["spans"]:
+            w["spans"][-1][1].synchronize()
+            w["compute"] += sum(a.elapsed_time(b) for a, b in w["spans"]) / 1e3
+            w["spans"] = []
+
     def state_dict(self) -> Dict[str, Any]:
+        self._drain_spans()  # CUDA events do not pickle: a checkpoint between agreement steps keeps seconds
         return {"gns": self.gns.state_dict(), "samples": self.samples, "window": dict(self._window)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.gns.load_state_dict(state["gns"])
         self.samples = int(state.get("samples", 0))
         if "window" in state:
-            self._window = dict(state["window"])
+            self._window = {"spans": [], **dict(state["window"])}
 
 
 class _Writer:

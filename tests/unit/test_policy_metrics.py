@@ -171,3 +171,31 @@ def test_sum_of_squares_of_fp16_gradients_does_not_overflow():
     """Loss-scaled fp16 gradients: a norm taken in fp16 overflows at 65504 (inf, and the GNS with it)."""
     ts = [torch.full((1000,), 300.0, dtype=torch.float16), torch.full((10,), 2.0, dtype=torch.bfloat16)]
     assert float(sum_of_squares(ts)) == pytest.approx(1000 * 300.0 ** 2 + 10 * 4.0)
+
+
+def test_a_checkpoint_between_agreement_steps_pickles_without_events(monkeypatch):
+    """CUDA events do not pickle: the window's spans are folded into seconds before its state is saved."""
+    import pickle
+
+    from pdv_ext.policy.engine import _timed
+
+    class Unpicklable(FakeEvent):
+        def __reduce__(self):
+            raise TypeError("cannot pickle 'torch.Event' object")
+
+    monkeypatch.setattr(torch.cuda, "Event", Unpicklable)
+    comm = RowsComm([])
+    comm.size = 2
+    comm.all_gather = lambda t: [t]
+    mon = Monitor(comm, dp_size=1, config=MonitorConfig(tensorboard=False, gns=False), every=2)
+    timed = _timed(lambda engine, sec: FakeEvent.clock.__setitem__(0, FakeEvent.clock[0] + sec), mon, cuda=True)
+    timed(None, 0.25)
+    assert mon.end_step(1, None, 0.1, 4, 1) is None  # not an agreement step: the span waits in the window
+    state = pickle.loads(pickle.dumps(mon.state_dict()))
+    assert state["window"]["spans"] == [] and state["window"]["compute"] == pytest.approx(0.25)
+    again = Monitor(comm, dp_size=1, config=MonitorConfig(tensorboard=False, gns=False), every=2)
+    again.load_state_dict({k: v for k, v in state.items()})
+    timed2 = _timed(lambda engine, sec: FakeEvent.clock.__setitem__(0, FakeEvent.clock[0] + sec), again, cuda=True)
+    timed2(None, 0.5)
+    out = again.end_step(2, None, 0.1, 4, 1)
+    assert out["compute_times"][0] == pytest.approx((0.25 + 0.5) / 2)
