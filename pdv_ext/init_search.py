@@ -376,6 +376,28 @@ def full_model_from_pipeline(module: Any) -> nn.Module:
     return full
 
 
+#: device bytes per parameter byte of the full model while searching: weights, gradients and the two
+#: moments of the probes' Adam (activations on top)
+SEARCH_BYTES_PER_PARAM_BYTE = 4
+
+
+def _agree_it_fits(full: Any, device: torch.device, comm: Comm) -> None:
+    """Every rank holds the whole model on its GPU beside its own stage: check that it fits on every rank
+    before anything moves, and agree (one flag), so that one rank's shortage is a ConfigError on all of
+    them instead of an out-of-memory there and a hang everywhere else."""
+    short = ""
+    if device.type == "cuda":
+        params = sum(p.numel() * p.element_size() for p in full.parameters())
+        need, free = SEARCH_BYTES_PER_PARAM_BYTE * params, torch.cuda.mem_get_info(device)[0]
+        if need > free:
+            short = f"{need / 2 ** 30:.2f} GiB needed, {free / 2 ** 30:.2f} GiB free on rank {comm.rank}"
+    bad = comm.all_reduce_scalars([1.0 if short else 0.0], "max")[0] if comm.size > 1 else float(bool(short))
+    if bad > 0:
+        raise ConfigError(["pdv.init_search: every rank searches over the whole model on its device, which does "
+                           "not fit on some rank (" + (short or "another rank is short") + "): search on a "
+                           "smaller configuration, or initialise without pdv.init_search"])
+
+
 def _rng_devices() -> List[int]:
     """The devices whose RNG `fork_rng` must restore: `torch.manual_seed` reseeds CUDA too, so the
     current GPU where CUDA is in use (only it: forking every GPU would open a context on each)."""
@@ -401,9 +423,17 @@ def search_pipeline_init(module: Any, data_iter: Optional[Iterable], cfg: Union[
         from .comm.torch_comm import TorchComm, host_twin
 
         comm = TorchComm(host_group=host_twin([list(range(dist.get_world_size()))]))
-    device = next(iter(module.parameters()), torch.empty(0)).device
+    first = next(iter(module.parameters()), None)
+    if first is not None:
+        device = first.device
+    else:  # a stage without parameters still searches where the others do (its collectives must match)
+        from deepspeed.accelerator import get_accelerator
+
+        device = torch.device(get_accelerator().device_name(getattr(module, "local_rank", 0)))
     with torch.random.fork_rng(devices=_rng_devices()):  # building the full model must not shift the caller's RNG
-        full = full_model_from_pipeline(module).to(device)
+        full = full_model_from_pipeline(module)
+    _agree_it_fits(full, device, comm)
+    full = full.to(device)
     report = search_init(full, module.loss_fn, data_iter, comm, cfg, device=device)
     winner = full.state_dict()
     local = module.state_dict()

@@ -8,7 +8,6 @@ DeepSpeed's pipeline engine dispatches schedule instructions through the class-l
 from __future__ import annotations
 
 import contextlib
-import json
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -128,14 +127,10 @@ def resolve_placement(module: PipelineModule, cfg: PDVConfig) -> Optional[Dict[s
     pl = cfg.placement
     boundaries, mapping = pl.boundaries, pl.rank_mapping
     if pl.plan is not None:
-        try:
-            with open(pl.plan, encoding="utf-8") as f:
-                plan = json.load(f)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError([f"pdv.placement.plan: cannot read plan '{pl.plan}': {exc}"]) from exc
-        boundaries, mapping = plan.get("boundaries"), plan.get("rank_mapping")
-        if boundaries is None or mapping is None:
-            raise ConfigError([f"pdv.placement.plan: '{pl.plan}' has no 'boundaries'/'rank_mapping'"])
+        from ..placement.startup import read_plan  # read on rank 0, broadcast
+
+        plan = read_plan(pl.plan)
+        boundaries, mapping = plan["boundaries"], plan["rank_mapping"]
     elif pl.cluster is not None:
         from ..placement.startup import plan_for_module  # planning at start-up (rank 0 plans, broadcasts)
 

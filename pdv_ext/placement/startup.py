@@ -5,6 +5,7 @@ rank applies the same boundaries and mapping. Errors on rank 0 are broadcast too
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Dict, Optional
 
@@ -59,19 +60,18 @@ def make_plan(module: Any, pl: Any, world_size: int, micro_batches: Optional[int
     return plan.to_dict()
 
 
-def plan_for_module(module: Any, placement_cfg: Any, micro_batches: Optional[int] = None) -> Dict[str, Any]:
-    """Plan on rank 0, broadcast, return the same plan dict on every rank (also kept as `module._pdv_plan`)."""
+def on_rank0(fn: Any, what: str) -> Any:
+    """`fn()` run on rank 0 only, its result - or its error - on every rank (one object broadcast): a
+    file that exists on one node only, or a failure on rank 0, must not leave the other ranks waiting in
+    the next collective. Without torch.distributed, just `fn()`."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        plan = make_plan(module, placement_cfg, 1 if module is None else module.world_size, micro_batches)
-        if module is not None:
-            module._pdv_plan = plan
-        return plan
+        return fn()
     box: list = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = {"ok": make_plan(module, placement_cfg, dist.get_world_size(), micro_batches)}
+            box[0] = {"ok": fn()}
         except ConfigError as exc:
             box[0] = {"config_error": exc.errors}
         except Exception as exc:  # every rank must learn about the failure
@@ -81,7 +81,33 @@ def plan_for_module(module: Any, placement_cfg: Any, micro_batches: Optional[int
     if "config_error" in got:
         raise ConfigError(got["config_error"])
     if "error" in got:
-        raise RuntimeError(f"placement planning failed on rank 0: {got['error']}")
-    if module is not None:
-        module._pdv_plan = got["ok"]  # the start-up summary reports its solver and predicted step time
+        raise RuntimeError(f"{what} failed on rank 0: {got['error']}")
     return got["ok"]
+
+
+def plan_for_module(module: Any, placement_cfg: Any, micro_batches: Optional[int] = None) -> Dict[str, Any]:
+    """Plan on rank 0, broadcast, return the same plan dict on every rank (also kept as `module._pdv_plan`)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else (
+        1 if module is None else module.world_size)
+    plan = on_rank0(lambda: make_plan(module, placement_cfg, world, micro_batches), "placement planning")
+    if module is not None:
+        module._pdv_plan = plan  # the start-up summary reports its solver and predicted step time
+    return plan
+
+
+def read_plan(path: str) -> Dict[str, Any]:
+    """A plan JSON (`pdv plan --out`): its boundaries and rank mapping, read on rank 0 and broadcast (a
+    stale or missing copy on another node would give it other stages, or an error only there)."""
+    def read() -> Dict[str, Any]:
+        try:
+            with open(path, encoding="utf-8") as f:
+                plan = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError([f"pdv.placement.plan: cannot read plan '{path}': {exc}"]) from exc
+        if not isinstance(plan, dict) or plan.get("boundaries") is None or plan.get("rank_mapping") is None:
+            raise ConfigError([f"pdv.placement.plan: '{path}' has no 'boundaries'/'rank_mapping'"])
+        return {"boundaries": plan["boundaries"], "rank_mapping": plan["rank_mapping"]}
+
+    return on_rank0(read, "reading the placement plan")

@@ -169,3 +169,37 @@ def test_all_diverged_never_loads_diverged_weights():
                       {**CFG, "rounds": 1, "scales": [1e30], "schemes": ["xavier"], "start_from": "probed"})
     assert rep["rounds"][0]["diverged"] == 4 and not math.isfinite(rep["winner"]["score"])
     assert all(math.isfinite(float(p.detach().abs().max())) for p in m.parameters())
+
+
+def test_the_whole_model_must_fit_on_every_rank_or_all_refuse(monkeypatch):
+    """Every rank searches over the whole model on its GPU: one rank short of memory is a ConfigError on
+    every rank (agreed before anything moves), not an out-of-memory there and a hang elsewhere."""
+    import threading
+
+    from pdv_ext import init_search
+    from pdv_ext.config_base import ConfigError
+    from tests.threadcomm import run_threads
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    need = init_search.SEARCH_BYTES_PER_PARAM_BYTE * sum(p.numel() * 4 for p in model.parameters())
+    free = {}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[threading.get_ident()], 1 << 40))
+
+    def fn(comm):
+        free[threading.get_ident()] = need - 1 if comm.rank == 1 else need
+        try:
+            init_search._agree_it_fits(model, torch.device("cuda"), comm)
+            return None
+        except ConfigError as exc:
+            return str(exc)
+
+    errors = run_threads(3, fn)
+    assert all(e is not None and "pdv.init_search" in e for e in errors), errors
+    assert "on rank 1" in errors[1] and "another rank is short" in errors[0]
+
+    def fits(comm):
+        free[threading.get_ident()] = need
+        init_search._agree_it_fits(model, torch.device("cuda"), comm)
+        return True
+
+    assert all(run_threads(3, fits))

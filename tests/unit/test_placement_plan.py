@@ -68,3 +68,21 @@ def test_config_keys():
     assert any("pdv.placement.solver" in e and "did you mean 'dp'" in e for e in errs)
     _, errs = validate_pdv({"placement": {"cluster": "c.yaml", "plan": "x.json"}})
     assert errs
+
+
+def test_read_plan_names_the_file_and_what_is_missing(tmp_path):
+    """`pdv.placement.plan` is read on rank 0 and broadcast (`startup.on_rank0`); its errors name the key."""
+    import json
+
+    from pdv_ext.config_base import ConfigError
+    from pdv_ext.placement.startup import read_plan
+
+    with pytest.raises(ConfigError, match="cannot read plan"):
+        read_plan(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"boundaries": [0, 2]}))
+    with pytest.raises(ConfigError, match="has no 'boundaries'/'rank_mapping'"):
+        read_plan(str(bad))
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"boundaries": [0, 2, 4], "rank_mapping": [[0], [1]], "predicted": 1.0}))
+    assert read_plan(str(good)) == {"boundaries": [0, 2, 4], "rank_mapping": [[0], [1]]}
