@@ -91,15 +91,27 @@ def _load(model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
 def apply_scheme(model: nn.Module, scheme: str, seed: int, scale: float = 1.0) -> None:
     """Re-initialize `model` in place: `default` re-runs every submodule's own `reset_parameters()` under
     `seed`; the others draw every weight matrix (dim >= 2) from that scheme and zero the biases. Matrices
-    are then multiplied by `scale`. Draws happen on CPU with a seeded generator (same on any device).
+    are then multiplied by `scale`. Draws happen on CPU with a seeded generator (same on any device; for
+    `default` the module is reset on the host and moved back).
     Frozen parameters (requires_grad=False, e.g. pretrained parts) and their modules are left alone."""
     if scheme == "default":
-        with torch.random.fork_rng(devices=_rng_devices()):
-            torch.manual_seed(seed)
-            for m in model.modules():
-                frozen = any(not p.requires_grad for p in m.parameters(recurse=False))
-                if not frozen and hasattr(m, "reset_parameters") and callable(m.reset_parameters):
-                    m.reset_parameters()
+        # on the host: CUDA's random kernels size their grids by the GPU's SM count, so one seed gives other
+        # numbers on another GPU model, and a rank rebuilding a candidate another rank scored must get its
+        # weights (the module moves back afterwards, its Parameter objects unchanged)
+        dev = next((p.device for p in model.parameters()), None)
+        moved = dev is not None and dev.type != "cpu"
+        if moved:
+            model.cpu()
+        try:
+            with torch.random.fork_rng(devices=_rng_devices()):
+                torch.manual_seed(seed)
+                for m in model.modules():
+                    frozen = any(not p.requires_grad for p in m.parameters(recurse=False))
+                    if not frozen and hasattr(m, "reset_parameters") and callable(m.reset_parameters):
+                        m.reset_parameters()
+        finally:
+            if moved:
+                model.to(dev)
     elif scheme in _MATRIX_INITS:
         g = torch.Generator().manual_seed(seed)
         for name, p in model.named_parameters():
