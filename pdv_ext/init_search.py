@@ -430,11 +430,9 @@ def search_pipeline_init(module: Any, data_iter: Optional[Iterable], cfg: Union[
     if module.loss_fn is None:
         raise ConfigError(["pdv.init_search: the PipelineModule needs a loss_fn to score candidates"])
     if comm is None:  # the world (every rank calls this); on NCCL its payloads travel on a gloo twin
-        import torch.distributed as dist
+        from .comm.torch_comm import world_comm
 
-        from .comm.torch_comm import TorchComm, host_twin
-
-        comm = TorchComm(host_group=host_twin([list(range(dist.get_world_size()))]))
+        comm = world_comm()
     first = next(iter(module.parameters()), None)
     if first is not None:
         device = first.device

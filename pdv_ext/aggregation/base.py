@@ -125,12 +125,17 @@ def all_finite(tensors: List[torch.Tensor]) -> bool:
     return all(finite_flags(tensors))
 
 
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to sum or take norms of `dtype` values in: float32 at least (an fp16 sum or norm overflows
+    at 65504, which loss-scaled gradients reach), float64 for float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def sums_finite(tensors: List[torch.Tensor]) -> bool:
     """Whether every tensor's sum is finite (one read of the device): True proves every element finite,
     False means a NaN/Inf element or finite values whose sum overflowed (`finite_flags` tells which)."""
-    # summed in float32 at least (an fp16 sum overflows at 65504, which loss-scaled gradients reach)
     return not tensors or bool(torch.isfinite(torch.stack([
-        t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).double() for t in tensors])).all())
+        t.sum(dtype=wide_dtype(t.dtype)).double() for t in tensors])).all())
 
 
 def finite_on_device(tensors: List[torch.Tensor]) -> torch.Tensor:

@@ -231,12 +231,8 @@ class NonFiniteGuard:
             self._ok_dev = finite_on_device(grads)
             return
         self._ok = all_finite(grads)
-        if not identical:
-            # replicas may differ (gossip): agree up front, one all-reduce of one scalar
-            flag = torch.tensor([0.0 if self._ok else 1.0], dtype=torch.float64, device=comm.payload_device)
-            comm.all_reduce(flag, "max")
-            if flag.item() > 0:
-                self._raise(aggregator, comm, step)
+        if not identical and not everyone_finite(self._ok, comm):  # replicas may differ (gossip): agree first
+            self._raise(aggregator, comm, step)
 
     def post(self, aggregator: Any, out: List[torch.Tensor], comm: Comm, step: int) -> None:
         if self.defer or self.tolerant(aggregator) or not getattr(aggregator, "replicas_identical", True):
@@ -292,6 +288,12 @@ class NonFiniteGuard:
             self.post(engine.aggregator, grads, engine.dp_comm, int(engine.global_steps))
 
 
+def everyone_finite(mine: bool, comm: Comm) -> bool:
+    """Whether every rank of `comm` says its gradients are finite (`mine`: this rank's answer): one
+    all-reduce of one host scalar, on the comm's host group where it has one."""
+    return mine if comm.size == 1 else comm.all_reduce_scalars([0.0 if mine else 1.0], "max")[0] == 0.0
+
+
 def loss_scale_overflow(aggregator: Any, grads: List[torch.Tensor], comm: Any) -> bool:
     """Loss-scaled gradients (DeepSpeed fp16, torch AMP's GradScaler under Horovod): whether some replica
     overflowed, for aggregators that would not pass the overflow on. `mean` and `adasum` carry an inf into
@@ -303,9 +305,7 @@ def loss_scale_overflow(aggregator: Any, grads: List[torch.Tensor], comm: Any) -
     not run: all replicas skip the step together."""
     if getattr(aggregator, "replicas_identical", True) and not getattr(aggregator, "tolerates_nonfinite", False):
         return False
-    ok = bool(finite_on_device(grads).item()) if grads else True
-    if comm.size > 1:
-        ok = comm.all_reduce_scalars([0.0 if ok else 1.0], "max")[0] == 0.0
+    ok = everyone_finite(all_finite(grads), comm)
     if not ok:
         for g in grads:
             g.fill_(float("inf"))

@@ -17,9 +17,10 @@ slices on the device); one device-to-host copy of the m scores and the finite ma
 is kept is a host decision (and the report lists it). Whether some rank refreshed its validation
 gradient is agreed on host flags (`Comm.all_reduce_scalars`): no device sync on gloo, Horovod, or NCCL
 as pdv's integrations set it up (`TorchComm` with a gloo twin, `host_twin`, carries CPU tensors); a bare
-NCCL `TorchComm` moves those 8 bytes through the GPU, a second sync. The kept candidates are averaged on the device in score order with plain adds and one true
-division, so CPU and CUDA give the same bits for the same kept set (the scores themselves agree to float64
-rounding: the dot products' summation order is the device's).
+NCCL `TorchComm` moves those 8 bytes through the GPU, a second sync. The kept candidates are averaged on
+the device in score order with plain adds and one true division, so CPU and CUDA give the same bits for
+the same kept set (the scores themselves agree to float64 rounding: the dot products' summation order is
+the device's).
 
 Where v comes from: `set_validation_grads(list)` (the pipeline engine does this every `refresh_every`
 steps from one extra forward/backward micro-batch of `validation_iter`), or a `validation_fn` callable

@@ -4,9 +4,9 @@
 needs Horovod, which most users never do).
 """
 from .base import Comm, LocalComm
-from .torch_comm import TorchComm, host_twin
+from .torch_comm import TorchComm, host_twin, world_comm
 
-__all__ = ["Comm", "LocalComm", "TorchComm", "HorovodComm", "host_twin"]
+__all__ = ["Comm", "LocalComm", "TorchComm", "HorovodComm", "host_twin", "world_comm"]
 
 
 def __getattr__(name):  # HorovodComm imports horovod lazily: most users never need it

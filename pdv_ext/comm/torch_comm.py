@@ -158,6 +158,12 @@ class TorchComm(Comm):
             dist.barrier(group=self.group)
 
 
+def world_comm() -> TorchComm:
+    """A TorchComm over the world, with its gloo twin where the backend needs one (collective: every rank
+    calls it at the same point)."""
+    return TorchComm(host_group=host_twin([list(range(dist.get_world_size()))]))
+
+
 def host_twin(rank_lists: Sequence[Sequence[int]], force: Optional[bool] = None) -> Optional[dist.ProcessGroup]:
     """A gloo group with the members of the list holding this rank, for `TorchComm(host_group=...)`; None
     where payloads need no twin (the default backend already carries CPU tensors, as gloo does).

@@ -287,12 +287,13 @@ class PDVPipelineEngine(PipelineEngine):
             agg.options.prescale = not self.postscale_gradients()
             agg.options.predivide_factor = float(self.gradient_predivide_factor())
         native = self.reduce_mode != "engine" and agg.name == "mean"
-        if self.reduce_mode == "zero" and (not native or self._grads_watched()):
-            self._check_zero_takeover(agg.name, hooked=native)
+        if self.reduce_mode == "zero" and not native:
+            self._check_zero_takeover(agg.name)
         bind_group(agg, self.dp_comm)
         self.aggregator = agg
         self._native_reduce = native
-        self._takeover_checked = not (self.reduce_mode == "zero" and native)  # hooks added later: checked then
+        self._takeover_checked = not (self.reduce_mode == "zero" and native)
+        self._check_takeover_once()  # `mean` with the hooks there already
         return agg
 
     def _check_zero_takeover(self, name: str, hooked: bool = False) -> None:

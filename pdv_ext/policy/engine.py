@@ -16,9 +16,8 @@ import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
-from ..comm import TorchComm, host_twin
+from ..comm import world_comm
 from .base import build_policy
 from .config import PolicyConfig
 from .metrics import Monitor
@@ -113,7 +112,7 @@ class PolicyGlue:
 
         self.engine, self.cfg = engine, cfg
         # the world: every rank of every stage agrees; on NCCL the metrics travel on a gloo twin (no device sync)
-        self.comm = TorchComm(host_group=host_twin([list(range(dist.get_world_size()))]))
+        self.comm = world_comm()
         cuda = torch.device(getattr(engine, "device", "cpu")).type == "cuda"
         self.monitor = Monitor(self.comm, engine.grid.get_data_parallel_world_size(), cfg.monitor, every=cfg.every,
                                sync=torch.cuda.synchronize if cuda else None)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ..aggregation.base import group_by_dtype, wide_dtype
 from ..comm.base import Comm
 from .config import MonitorConfig
 from .gns import GNSEstimator
@@ -38,22 +39,11 @@ def sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if not ts:
         return torch.zeros((), dtype=torch.float64)
     try:
-        norms = [torch._foreach_norm(group, 2, dtype=dt) for dt, group in _by_norm_dtype(ts).items()]
-        norms = [n for group in norms for n in group]
+        norms = [n for dt, idx in group_by_dtype(ts).items()
+                 for n in torch._foreach_norm([ts[i] for i in idx], 2, dtype=wide_dtype(dt))]
     except (RuntimeError, TypeError):  # mixed devices, or an old torch
-        norms = [t.norm(dtype=_norm_dtype(t)) for t in ts]
+        norms = [t.norm(dtype=wide_dtype(t.dtype)) for t in ts]
     return torch.stack([n.to(torch.float64, copy=False).reshape(()) for n in norms]).square().sum()
-
-
-def _norm_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def _by_norm_dtype(ts: Sequence[torch.Tensor]) -> Dict[torch.dtype, List[torch.Tensor]]:
-    out: Dict[torch.dtype, List[torch.Tensor]] = {}
-    for t in ts:
-        out.setdefault(_norm_dtype(t), []).append(t)
-    return out
 
 
 def _report_scalars(report: Dict[str, Any]) -> tuple:
