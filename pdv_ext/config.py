@@ -12,7 +12,7 @@ import os
 from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
 import yaml
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from .registry import RegistryError, did_you_mean, factory_errors
 
@@ -46,6 +46,26 @@ class PDVConfig(StrictModel):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     init_search: InitSearchConfig = Field(default_factory=InitSearchConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    #: micro-batches per data-parallel replica of the step's global batch: "equal" (DeepSpeed's split), a
+    #: list (one count >= 1 per replica, adding up to the step's micro-batches), or "by_throughput" (the
+    #: best split for the devices' throughputs in `pdv.placement.cluster`); policies may change it later
+    data_shares: Union[str, List[int]] = "equal"
+
+    @field_validator("data_shares", mode="before")
+    @classmethod
+    def _data_shares(cls, v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, str):
+            if v not in ("equal", "by_throughput"):
+                raise ValueError(f"must be 'equal', 'by_throughput' or a list of micro-batches per replica{did_you_mean(v, ['equal', 'by_throughput'])}")
+            placement = info.data.get("placement")
+            if v == "by_throughput" and placement is not None and placement.cluster is None:
+                raise ValueError("'by_throughput' reads the devices' throughputs from pdv.placement.cluster, "
+                                 "which is not set")
+            return v
+        if not isinstance(v, list) or not v or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in v):
+            raise ValueError("must be 'equal', 'by_throughput' or a list of whole numbers >= 1 (micro-batches per "
+                             "data-parallel replica)")
+        return v
 
 
 def aggregation_errors(section: Dict[str, Any], prefix: str = "pdv.aggregation") -> List[str]:
@@ -196,13 +216,17 @@ def topology_errors(section: Any, world_size: int, stages: Optional[int] = None,
                       f"data-parallel width (DeepSpeed gives every stage the same number of ranks)")
     if errors:
         return errors
+    shares = section.get("data_shares")
+    if isinstance(shares, list) and len(shares) != world_size // stages:
+        errors.append(f"{prefix}.data_shares: {len(shares)} values, but {world_size} ranks in {stages} stage(s) make "
+                      f"{world_size // stages} data-parallel replicas")
     from .aggregation.groups import group_notes
 
     agg = section.get("aggregation", {})
     clamped, errs = group_notes(agg if isinstance(agg, dict) else {}, world_size // stages)
     if notes is not None:
         notes.extend(clamped)
-    return errs
+    return errors + errs
 
 
 def check_file(path: str, world_size: Optional[int] = None, stages: Optional[int] = None,

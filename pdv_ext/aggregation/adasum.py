@@ -28,6 +28,11 @@ synchronisation (nor do `pdv_ext.kernels`' CUDA and reference paths; should `ada
 on the host, they are moved to the device with one non-blocking copy per level). The one that remains is
 the comm's: `HorovodComm.exchange` reads the received splits of Horovod's alltoall on the host.
 
+Data shares ("count"): every replica's gradient enters as it is, whatever its share of the step's samples.
+A gradient from fewer samples is a noisier estimate of the same gradient, not a smaller one, and Adasum's
+operator is not linear: scaling a replica by its share would change the geometry it reacts to (identical
+gradients of different scales no longer average: Adasum(a, 2a) = 1.5a).
+
 Unlike Horovod (MPI only, power-of-two ranks, global set) this runs on any `Comm`: the ranks beyond the
 largest power of two P fold their gradient into rank r - P first (a local pairwise Adasum) and get the
 result back at the end. Every slice of the result is computed by exactly one rank, so all replicas end

@@ -7,7 +7,7 @@ DeepSpeed's pipeline engine (one per stage, over the stage's data-parallel group
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Dict, List, Literal, Optional, Sequence, Union
 
 import torch
 from pydantic import ValidationError
@@ -29,6 +29,15 @@ class Aggregator(WithOptions):
       results it copies back into the caller's views (`contiguous_call`).
     - `report` holds what the last call measured (dropped ranks, consensus distance, ...) for the Monitor.
     - `state_dict()/load_state_dict()` carry what must survive a checkpoint (error feedback, RNG, step).
+    - Data shares: `aggregator(grads, comm, samples=[n_0, ..., n_{m-1}])` says how many samples each group
+      rank's gradient averages (replicas may take unequal shares of a step's global batch; every rank's
+      gradient is the mean over its own samples). `shares` says what the aggregator makes of them:
+      "weight" (the result weighs each replica by its share of the step's samples: `mean` is then the
+      exact mean over every sample of the step) or "count" (every replica counts once: the robust
+      statistics, whose guarantees are stated in replicas, and adasum, whose geometry a rescaled gradient
+      would change; docs/aggregation.md gives each reason). During `aggregate`, `share_weights()` /
+      `share_factor()` give the shares (None when they are equal or not given: the unweighted code path,
+      bit for bit as without shares).
     """
 
     name: ClassVar[str] = "base"
@@ -38,19 +47,41 @@ class Aggregator(WithOptions):
     #: `nonfinite_local_ok` (None: all finite; else whether this rank's own input was finite) for the
     #: non-finite guard, which then skips its own passes over the gradients
     checks_nonfinite: ClassVar[bool] = False
+    #: what unequal data shares mean to this aggregator: "weight" or "count" (see the class docstring)
+    shares: ClassVar[Literal["weight", "count"]] = "count"
 
     def __init__(self, options: Optional[Union[Dict[str, Any], StrictModel]] = None, **kwargs: Any):
         super().__init__(options, **kwargs)
         self.step = 0
         self.report: Dict[str, Any] = {}
+        self.samples: Optional[List[int]] = None  # this call's per-rank sample counts (None: equal)
 
     def aggregate(self, grads: List[torch.Tensor], comm: Comm) -> List[torch.Tensor]:
         raise NotImplementedError
 
-    def __call__(self, grads: List[torch.Tensor], comm: Comm) -> List[torch.Tensor]:
-        out = contiguous_call(self.aggregate, grads, comm, who=f"aggregator '{self.name}'")
+    def __call__(self, grads: List[torch.Tensor], comm: Comm,
+                 samples: Optional[Sequence[int]] = None) -> List[torch.Tensor]:
+        self.samples = unequal_samples(samples, comm.size, who=f"aggregator '{self.name}'")
+        try:
+            out = contiguous_call(self.aggregate, grads, comm, who=f"aggregator '{self.name}'")
+        finally:
+            self.samples = None
         self.step += 1
         return out
+
+    def share_weights(self) -> Optional[List[float]]:
+        """Each group rank's share of this call's samples (summing to 1), or None when the shares are equal
+        (or not given): the caller then takes its unweighted path."""
+        if self.samples is None:
+            return None
+        total = float(sum(self.samples))
+        return [n / total for n in self.samples]
+
+    def share_factor(self, comm: Comm) -> Optional[float]:
+        """m x this rank's share: what this rank's gradient is multiplied by so that the plain average of
+        the group's gradients becomes the sample-weighted one (None when the shares are equal)."""
+        w = self.share_weights()
+        return None if w is None else comm.size * w[comm.rank]
 
     def state_dict(self) -> Dict[str, Any]:
         return {"step": self.step}
@@ -61,6 +92,19 @@ class Aggregator(WithOptions):
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.model_dump().items())
         return f"{type(self).__name__}({opts})"
+
+
+def unequal_samples(samples: Optional[Sequence[int]], size: int, who: str = "aggregator") -> Optional[List[int]]:
+    """`samples` checked against a group of `size` ranks (one positive count per rank); None when absent or
+    all equal (equal shares take the aggregators' unweighted paths, bit for bit). No communication: every
+    rank must pass the same list (the integrations derive it from the agreed shares)."""
+    if samples is None:
+        return None
+    counts = [int(n) for n in samples]
+    if len(counts) != size or any(n <= 0 for n in counts) or any(n != s for n, s in zip(counts, samples)):
+        raise ValueError(f"{who}: samples must give one positive integer count per rank of the group of {size} "
+                         f"(got {list(samples)!r})")
+    return None if len(set(counts)) <= 1 else counts
 
 
 def register_aggregator(name: Optional[str] = None):

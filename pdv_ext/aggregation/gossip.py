@@ -14,6 +14,10 @@ Every `sync_every` steps an exact all-reduce moves every replica to the group's 
 distance of the replicas' cumulative updates from their average, estimated from a 64-bucket count sketch
 (one all-reduce of 65 floats).
 
+Data shares ("weight"): with unequal per-rank sample counts a rank's gradient enters multiplied by m x its
+share of the step's samples. Mixing and the exact syncs keep the group's average, so the replicas' average
+update is the sample-weighted mean (the exact mean over the step's samples), as with `mean`.
+
 Small groups: `peers` is capped at m - 1 (everyone), with one GroupSizeWarning naming the key; a group of
 one is the identity (it applies its gradient plus whatever error feedback it still holds).
 
@@ -75,6 +79,7 @@ class Gossip(SmallGroups, Aggregator):
 
     #: replicas apply different updates (the non-finite guard must agree before aggregating)
     replicas_identical = False
+    shares = "weight"
 
     class Options(StrictModel):
         #: peers each rank exchanges with per step (capped at the data-parallel group size - 1)
@@ -103,6 +108,9 @@ class Gossip(SmallGroups, Aggregator):
         peers_now = self.fit_group(comm)["peers"]
         opt = self.options
         g = self._buf = flatten_as(grads, flat_dtype(grads), out=self._buf)  # reused; free again after top-k
+        factor = self.share_factor(comm)
+        if factor is not None:  # unequal data shares: the group's average update becomes sample-weighted
+            g.mul_(factor)
         n = g.numel()
         if self.residual is None or self.residual.numel() != n:
             self.residual = torch.zeros_like(g)

@@ -4,6 +4,11 @@ DeepSpeed flattens the gradients of each dtype into buckets of at most `bucket_e
 each bucket (SUM) and then scales by 1/world (postscale, its default) or scales first (`prescale`); we do
 exactly the same operations in the same order, so losses and weights match vanilla DeepSpeed exactly.
 
+Data shares ("weight"): with unequal per-rank sample counts each rank's bucket is first multiplied by
+m x its share of the step's samples, so the average becomes the sample-weighted mean - the exact mean over
+every sample of the step, whatever the split (one more rounded product per element). Equal shares take the
+path above unchanged: bit-identical to DeepSpeed.
+
 Small groups: defined for every group; a group of one is the identity (the sum of one, times 1/1).
 Devices: element-wise adds in the comm's order and one rounded scale, so CPU and CUDA give the same bits
 for the same reduction order. Host syncs on CUDA: one per bucket (one bucket unless the gradients exceed
@@ -30,6 +35,7 @@ class Mean(Aggregator):
     #: a NaN/Inf in any rank's input reaches the reduced buffer, so one sum over it (contiguous) checks
     #: every rank; the inputs are still intact then, so the culprit can be named
     checks_nonfinite = True
+    shares = "weight"
 
     class Options(StrictModel):
         #: scale before the all-reduce instead of after (DeepSpeed's `prescale_gradients`)
@@ -42,11 +48,13 @@ class Mean(Aggregator):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._buffers = BufferCache()
+        self._factor: Optional[float] = None
         self.nonfinite_local_ok: Optional[bool] = None  # flat bucket buffers kept across steps (same arithmetic as a fresh one)
 
     def aggregate(self, grads: List[torch.Tensor], comm: Comm) -> List[torch.Tensor]:
         opt = self.options
         self.nonfinite_local_ok = None
+        self._factor = self.share_factor(comm)  # None: equal shares, DeepSpeed's arithmetic exactly
         for idx in group_by_dtype(grads).values():
             bucket: List[torch.Tensor] = []
             numel = 0
@@ -63,12 +71,13 @@ class Mean(Aggregator):
     def _reduce_bucket(self, bucket: List[torch.Tensor], comm: Comm) -> None:
         opt, world = self.options, comm.size
         buf = flatten(bucket, out=self._buffers.get(bucket))
+        weight = 1.0 if self._factor is None else self._factor  # m x this rank's share of the samples
         if opt.prescale:
-            buf.mul_(1.0 / world)
+            buf.mul_(weight / world)
             comm.all_reduce(buf, "sum")
         else:
-            if opt.predivide_factor != 1.0:
-                buf.mul_(1.0 / opt.predivide_factor)
+            if opt.predivide_factor != 1.0 or weight != 1.0:
+                buf.mul_(weight / opt.predivide_factor)
             comm.all_reduce(buf, "sum")
         # DeepSpeed's postscale (buf *= predivide / world), fused into the copy back: the same rounding per
         # element, one pass over the bucket fewer. A factor above 1 could overflow a finite sum, so then

@@ -8,6 +8,12 @@ takes the same decision. An all-gather of the finished slices rebuilds the resul
 all-reduce's bytes instead of m - 1 gradients per rank, 1/m of the work per rank, and all replicas end
 identical (each slice is computed by one rank). A candidate holding NaN/Inf anywhere is excluded (by
 every rank alike) before any arithmetic: non-finite values never reach the weights.
+
+Data shares ("count"): `median` and `trimmed_mean` count every replica once, whatever its share of the
+step's samples. Their guarantee is stated in replicas (b Byzantine of m), and a share is granted to the
+replica that reports itself fast (the `rebalance` policy): weighting by it would let one replica with a
+large share move the statistic alone (a weighted median follows any replica holding half the weight).
+Each replica's gradient is still the mean over its own samples, an unbiased estimate of the same gradient.
 """
 from __future__ import annotations
 

@@ -10,6 +10,9 @@ where a replaced candidate gets the average weight of the rest; each rank forms 
 all-gather rebuilds it. `alpha` defaults to the median suspicion
 of the step, which makes the weights scale-free. Non-finite candidates are always among the replaced.
 
+Data shares ("count"): every replica counts once, as in `median`: the weights are a robustness measure, and
+a share (granted to whoever reports itself fast) must not buy a suspicious replica back its weight.
+
 Small groups: telling the k most suspicious apart by their distance from the mean needs a majority that is
 not replaced (m - k > k; for m = 2 both are equally far from their mean), so a group of m ranks supports
 k <= (m - 1) // 2; a larger k is clamped with one GroupSizeWarning (k = 0 for 2 ranks: the weighted mean of

@@ -9,6 +9,10 @@ the same scores, bitwise, on every rank, so every replica keeps the same candida
 kept candidates on its slice, and an all-gather rebuilds the result. Candidates with NaN/Inf score -inf
 and are always dropped.
 
+Data shares ("weight"): the scores decide who is kept, whatever the shares; the kept candidates are then
+averaged weighted by their shares of the step's samples (sum_i n_i g_i / sum_i n_i over the kept), so with
+nobody dropped zeno returns `mean`'s sample-weighted mean. Equal shares: the plain average below, unchanged.
+
 Small groups: a group of m ranks supports b <= m - 1 (one honest candidate is all Zeno needs); a larger
 b is clamped with one GroupSizeWarning, and a group of one is the identity (no validation gradient needed).
 
@@ -66,6 +70,7 @@ class Zeno(RobustAggregator):
     """Validation-scored selection: drops the `b` lowest-scoring ranks each step."""
 
     needs_validation = True
+    shares = "weight"
 
     class Options(StrictModel):
         #: step size assumed by the score gamma <v, g> - rho |g|^2 (only rho / gamma matters for the choice)
@@ -156,10 +161,17 @@ class Zeno(RobustAggregator):
         n_keep = max(1, min(m - b, int(fin.sum())))
         order = torch.argsort(scores, descending=True, stable=True)
         keep, drop = order[:n_keep].tolist(), order[n_keep:]
-        out = rows[keep[0]].clone()  # the mean of the kept rows on this slice, without copying them out
-        for i in keep[1:]:
-            out.add_(rows[i])
-        out.div_(exact(n_keep, out))
+        shares = self.share_weights()
+        if shares is None:
+            out = rows[keep[0]].clone()  # the mean of the kept rows on this slice, without copying them out
+            for i in keep[1:]:
+                out.add_(rows[i])
+            out.div_(exact(n_keep, out))
+        else:  # the kept rows weighted by their shares: one coefficient per row, computed on the host
+            total = sum(shares[i] for i in keep)
+            out = rows[keep[0]] * (shares[keep[0]] / total)
+            for i in keep[1:]:
+                out.add_(rows[i] * (shares[i] / total))
         self.report = {"dropped": sorted(int(i) for i in drop), "nonfinite": bad_ranks(fin),
                        "scores": [float(x) for x in scores]}
         return self.finish_slices(out, grads, comm)

@@ -260,7 +260,12 @@ class PDVPipelineEngine(PipelineEngine):
         self.reduce_mode = ("bf16" if self.using_bf16_optimizer else
                             "zero" if self.zero_optimization_stage() > 0 else "engine")
         self._native_reduce = False  # set by set_aggregator: `mean` in "bf16"/"zero" mode is DeepSpeed's own
+        # data shares: micro-batches per data-parallel replica (None: DeepSpeed's equal split)
+        self.data_shares: Optional[List[int]] = None
+        self.total_micro_batches = int(self.micro_batches) * self.dp_world_size
+        self._group_replicas = self._replicas_by_group_rank()
         self.set_aggregator(self.pdv_config.aggregation)
+        self._set_static_shares()
         from ..aggregation.faults import install_fault_hooks  # pdv.faults + the NaN/Inf guard
 
         install_fault_hooks(self)
@@ -296,13 +301,15 @@ class PDVPipelineEngine(PipelineEngine):
         self._check_takeover_once()  # `mean` with the hooks there already
         return agg
 
-    def _check_zero_takeover(self, name: str, hooked: bool = False) -> None:
+    def _check_zero_takeover(self, name: str, hooked: bool = False, why: Optional[str] = None) -> None:
         """What ZeRO-1 settings pdv cannot take the reduction over under (each named by its config key): a
         non-mean aggregator, or `mean` while a grad hook (pdv.policy's Monitor, pdv.faults) needs the whole
         averaged gradients. Where ZeRO keeps compact partition buffers it fills them only inside its own
         reduction: taken over, the optimizer would step on zeros."""
         opt, errors = self.optimizer, []
-        if hooked:
+        if why is not None:  # another reason pdv reduces (unequal data shares: the sample-weighted mean)
+            why = f"{why} (unequal shares: pdv's sample-weighted mean) under ZeRO stage 1"
+        elif hooked:
             who = ", ".join(sorted({type(h).__name__ for h in self.grad_hooks
                                     if getattr(h, "needs_full_gradients", True)}))
             why = f"pdv.policy / pdv.faults (grad hooks reading the whole averaged gradients: {who}) under ZeRO stage 1"
@@ -331,6 +338,8 @@ class PDVPipelineEngine(PipelineEngine):
     def uses_deepspeed_reduction(self) -> bool:
         """Whether ReduceGrads runs DeepSpeed's own reduction (`mean` in "bf16" mode, and in "zero" mode
         while no grad hook reads the gradients); otherwise the aggregator does the reduction."""
+        if self.data_shares is not None:  # unequal shares: the sample-weighted mean is pdv's
+            return False
         return self._native_reduce and (self.reduce_mode == "bf16" or not self._grads_watched())
 
     def _grads_watched(self) -> bool:
@@ -389,10 +398,74 @@ class PDVPipelineEngine(PipelineEngine):
             self._refresh_validation()
         for hook in self.grad_hooks:
             grads = hook.before(self, grads)
-        out = self.aggregator(grads, self.dp_comm)
+        out = self.aggregator(grads, self.dp_comm, samples=self.group_samples())
         for hook in self.grad_hooks:
             hook.after(self, out)
         return out
+
+    # -- data shares --------------------------------------------------------------------------------
+    def _replicas_by_group_rank(self) -> List[int]:
+        """The data-parallel id (replica) of each rank of this stage's data-parallel group, by group rank
+        (torch orders a group's ranks by global rank, the topology's replicas may be placed otherwise)."""
+        import torch.distributed as dist
+
+        group = self.grid.get_data_parallel_group()
+        ranks = [dist.get_global_rank(group, r) for r in range(self.dp_world_size)] if self.dp_world_size > 1 \
+            else [self.global_rank]
+        return [self.grid._topo.get_coord(r).data for r in ranks]
+
+    def _set_static_shares(self) -> None:
+        """`pdv.data_shares` at start-up ("equal", a list, or "by_throughput" from the cluster YAML)."""
+        from ..policy.shares import static_shares
+
+        topo = self.grid._topo
+        stages, dp = topo.get_dim("pipe"), topo.get_dim("data")
+        replica_ranks = [[topo.get_rank(pipe=s, data=d) for s in range(stages)] for d in range(dp)]
+        shares = static_shares(self.pdv_config.data_shares, dp, self.total_micro_batches, stages, replica_ranks,
+                               self.pdv_config.placement.cluster)
+        if shares is not None:
+            self.set_data_shares(shares)
+
+    def group_samples(self) -> Optional[List[int]]:
+        """Samples of each rank of the data-parallel group this step (by group rank), for the aggregator;
+        None with equal shares."""
+        if self.data_shares is None:
+            return None
+        mbs = int(self.train_micro_batch_size_per_gpu())
+        return [self.data_shares[d] * mbs for d in self._group_replicas]
+
+    def set_data_shares(self, shares: Optional[Sequence[int]]) -> None:
+        """Give each data-parallel replica `shares[d]` micro-batches of the step's global batch (at a step
+        boundary, on every rank; None or an equal split = DeepSpeed's own). The global batch is unchanged:
+        the shares must add up to `total_micro_batches`. DeepSpeed scales each replica's gradient by
+        1/(its own micro-batches), so every replica's gradient is the mean over its samples; the aggregator
+        then weighs the replicas by their samples (`group_samples`)."""
+        from ..policy.shares import check_shares
+
+        dp, total = self.dp_world_size, self.total_micro_batches
+        if shares is not None:
+            shares = check_shares(shares, dp, total, what="data shares")
+            if len(set(shares)) == 1:
+                shares = None
+        mine = total // dp if shares is None else shares[self.grid.get_data_parallel_id()]
+        self.data_shares = shares
+        self.micro_batches = mine
+        self._config.gradient_accumulation_steps = mine  # DeepSpeed's 1/gas gradient scale: this replica's
+        if self.reduce_mode == "zero" and shares is not None and self._native_reduce:
+            self._check_zero_takeover("mean", why="pdv.data_shares")
+
+    def _scale_loss_by_gas(self, prescaled_loss: Any, eval_micro_batches: Any = None) -> Any:
+        """The step's reported loss with unequal shares: the mean over every micro-batch of the step (each
+        replica's sum x dp / total, which DeepSpeed's all-reduce then divides by dp), not the mean of the
+        replicas' means."""
+        if eval_micro_batches is not None or self.data_shares is None:
+            return super()._scale_loss_by_gas(prescaled_loss, eval_micro_batches=eval_micro_batches)
+        factor = self.dp_world_size / self.total_micro_batches
+        if isinstance(prescaled_loss, torch.Tensor):
+            return prescaled_loss * factor
+        if isinstance(prescaled_loss, (tuple, list)):
+            return [x * factor if isinstance(x, torch.Tensor) else x for x in prescaled_loss]
+        return prescaled_loss
 
     def _aggregate_in_place(self, grads: List[torch.Tensor]) -> None:
         """Aggregate `grads` and write the result into them; bf16 tensors go through fp32 copies."""

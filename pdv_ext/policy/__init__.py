@@ -1,10 +1,11 @@
 """Adaptive policy layer: the Monitor (cheap per-step metrics), the Policy API and its Actions, and the
 PolicyRunner that makes every rank apply the same actions at the same step. See docs/policy.md."""
-from .base import (POLICIES, Action, Policy, SetAggregator, SetBatchSize, SetGossipPeers, SetLearningRate,
-                   TrainContext, build_policy, register_policy)
+from .base import (POLICIES, Action, Policy, SetAggregator, SetBatchSize, SetDataShares, SetGossipPeers,
+                   SetLearningRate, TrainContext, build_policy, register_policy)
 
-__all__ = ["POLICIES", "Action", "Policy", "SetAggregator", "SetBatchSize", "SetGossipPeers", "SetLearningRate",
-           "TrainContext", "build_policy", "register_policy", "Monitor", "PolicyRunner", "ElasticBatches"]
+__all__ = ["POLICIES", "Action", "Policy", "SetAggregator", "SetBatchSize", "SetDataShares", "SetGossipPeers",
+           "SetLearningRate", "TrainContext", "build_policy", "register_policy", "Monitor", "PolicyRunner",
+           "ElasticBatches"]
 
 
 def __getattr__(name):  # torch-heavy parts load on first use

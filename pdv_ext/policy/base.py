@@ -8,7 +8,7 @@ and applies the actions at the same step boundary. Policies must be picklable-st
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Dict, List, Literal, Optional, Type, Union
+from typing import Any, ClassVar, Dict, List, Literal, Optional, Tuple, Type, Union
 
 from ..config_base import StrictModel, WithOptions
 from ..registry import Registry, call_factory
@@ -69,8 +69,23 @@ class SetGossipPeers(Action):
     source: str = ""
 
 
+@dataclass(frozen=True)
+class SetDataShares(Action):
+    """Micro-batches per data-parallel replica (index: the replica's data-parallel rank), summing to the
+    step's micro-batches (the global batch stays the same; `shares=None` = the equal split). Every stage of
+    a replica runs that many micro-batches, the data iterator hands each replica its slice of the global
+    batch, and the aggregator weighs the replicas by their samples (docs/policy.md, "Data shares")."""
+
+    shares: Optional[Tuple[int, ...]] = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.shares is not None:  # a list from a plugin or a pickle: one hashable, comparable form
+            object.__setattr__(self, "shares", tuple(int(n) for n in self.shares))
+
+
 ACTIONS: Dict[str, Type[Action]] = {c.__name__: c for c in (SetBatchSize, SetLearningRate, SetAggregator,
-                                                               SetGossipPeers)}
+                                                               SetGossipPeers, SetDataShares)}
 
 
 def action_from_dict(d: Dict[str, Any]) -> Action:
@@ -150,4 +165,4 @@ def build_policy(spec: Union[str, Dict[str, Any], Policy]) -> Policy:
 
 
 def _load_builtins() -> None:
-    from . import builtin  # noqa: F401  (registers gns_batch_size, straggler_topology, schedule)
+    from . import builtin  # noqa: F401  (registers gns_batch_size, straggler_topology, schedule, rebalance)

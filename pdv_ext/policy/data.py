@@ -1,12 +1,17 @@
-"""A data iterator whose position survives batch-size changes and checkpoints.
+"""A data iterator whose position survives batch-size changes, data-share changes and checkpoints.
 
 The training stream is the concatenation of per-epoch permutations of the dataset (epoch e shuffled
-with seed `seed * 1000003 + e`): stream position i is sample `perm_e[i mod N]`, e = i // N. The j-th
-micro-batch that replica d pulls since the last re-base covers positions `base + (j * dp + d) * mbs`
-up to `+ mbs`. Every replica pulls the same number of micro-batches per step, so after each step
-`base + j * dp * mbs` is the global position on every rank. Changing the micro-batch size re-bases at
-the current position: no position is skipped or read twice, so within an epoch every sample is seen
-exactly once whatever the batch sizes were (micro-batches may straddle epochs). The first and the last
+with seed `seed * 1000003 + e`): stream position i is sample `perm_e[i mod N]`, e = i // N. A step takes
+the next M micro-batches of the stream (M x mbs positions) and hands them to the replicas in turn: slot
+k of the step goes to the k-th replica in the order (round 0: replicas 0..dp-1, round 1: ..., skipping a
+replica whose share is used up). With equal shares (n micro-batches each, M = n x dp) the j-th
+micro-batch that replica d pulls since the last re-base covers positions `base + (j * dp + d) * mbs` up to
+`+ mbs`; with data shares n_d (micro-batches per replica, summing to M) replica d's j-th micro-batch of a
+step is the slot of round j, after the replicas before d that still take one in that round and every
+replica's micro-batches of the earlier rounds. Either way after each step `base + steps x M x mbs` is the
+global position on every rank. Changing the micro-batch size or the shares re-bases at the current
+position: no position is skipped or read twice, so within an epoch every sample is seen exactly once
+whatever the batch sizes and shares were (micro-batches may straddle epochs). The first and the last
 pipeline stage of a replica each hold one iterator; they stay in step.
 """
 from __future__ import annotations
@@ -32,6 +37,8 @@ class ElasticBatches:
         self.seed, self.shuffle, self.collate = seed, shuffle, collate
         self.base = 0  # global stream position at the last re-base
         self.pulled = 0  # micro-batches this replica pulled since the last re-base
+        #: micro-batches per replica and step when the data shares are unequal (None: equal)
+        self.shares: Optional[List[int]] = None
         self._perms: Dict[int, torch.Tensor] = {}
         #: stream positions handed out (for tests that count samples); off by default
         self.record = record
@@ -40,14 +47,19 @@ class ElasticBatches:
     @classmethod
     def for_engine(cls, engine: Any, dataset: Any, seed: int = 0, **kwargs: Any) -> "ElasticBatches":
         """An iterator matching a DeepSpeed engine's micro-batch size and this rank's replica."""
-        return cls(dataset, engine.train_micro_batch_size_per_gpu(), engine.grid.get_data_parallel_id(),
-                   engine.grid.get_data_parallel_world_size(), seed=seed, **kwargs)
+        it = cls(dataset, engine.train_micro_batch_size_per_gpu(), engine.grid.get_data_parallel_id(),
+                 engine.grid.get_data_parallel_world_size(), seed=seed, **kwargs)
+        it.set_shares(getattr(engine, "data_shares", None))
+        return it
 
     # ---- position --------------------------------------------------------------------------------
     @property
     def position(self) -> int:
         """Global stream position after the micro-batches pulled so far (exact at step boundaries)."""
-        return self.base + self.pulled * self.dp_size * self.micro_batch_size
+        if self.shares is None:
+            return self.base + self.pulled * self.dp_size * self.micro_batch_size
+        steps = self.pulled // self.shares[self.dp_rank]
+        return self.base + steps * sum(self.shares) * self.micro_batch_size
 
     @property
     def epoch(self) -> int:
@@ -59,13 +71,38 @@ class ElasticBatches:
         self.pulled = 0
         self.micro_batch_size = int(size)
 
-    def state_dict(self) -> Dict[str, int]:
-        return {"position": self.position, "micro_batch_size": self.micro_batch_size, "seed": self.seed}
+    def set_shares(self, shares: Optional[Sequence[int]]) -> None:
+        """Micro-batches per replica and step from now on (None or equal: the plain interleaving); re-bases
+        at the current position (call at a step boundary, on every rank, with the same shares)."""
+        if shares is not None:
+            shares = [int(n) for n in shares]
+            if len(shares) != self.dp_size or min(shares) < 1:
+                raise ValueError(f"ElasticBatches.set_shares: need {self.dp_size} counts >= 1, got {shares}")
+            if len(set(shares)) == 1:
+                shares = None
+        self.base = self.position
+        self.pulled = 0
+        self.shares = shares
 
-    def load_state_dict(self, state: Dict[str, int]) -> None:
+    def state_dict(self) -> Dict[str, Any]:
+        return {"position": self.position, "micro_batch_size": self.micro_batch_size, "seed": self.seed,
+                "shares": None if self.shares is None else list(self.shares)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.base, self.pulled = int(state["position"]), 0
         self.micro_batch_size = int(state["micro_batch_size"])
+        self.shares = list(state["shares"]) if state.get("shares") is not None else None
         self._perms.clear()
+
+    def _slot(self, pulled: int) -> int:
+        """Micro-batch slot (from `base`) of this replica's `pulled`-th micro-batch since the re-base."""
+        if self.shares is None:
+            return pulled * self.dp_size + self.dp_rank
+        n_me = self.shares[self.dp_rank]
+        step, j = divmod(pulled, n_me)
+        before = sum(min(n, j) for n in self.shares)  # every replica's micro-batches of rounds 0..j-1
+        before += sum(1 for n in self.shares[: self.dp_rank] if n > j)  # round j, replicas before this one
+        return step * sum(self.shares) + before
 
     # ---- iteration -------------------------------------------------------------------------------
     def _perm(self, epoch: int) -> torch.Tensor:
@@ -94,7 +131,7 @@ class ElasticBatches:
 
     def __next__(self) -> Any:
         mbs = self.micro_batch_size
-        start = self.base + (self.pulled * self.dp_size + self.dp_rank) * mbs
+        start = self.base + self._slot(self.pulled) * mbs
         self.pulled += 1
         if self.record:
             self.seen.extend(range(start, start + mbs))

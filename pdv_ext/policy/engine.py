@@ -32,11 +32,36 @@ class EngineApplier:
         self.num_stages = int(engine.num_stages)
 
     def batch_geometry(self) -> Tuple[int, int, int]:
+        """(micro-batch size, micro-batches per replica and step on average, replicas): with unequal data
+        shares the middle one is the global batch's micro-batches over the replicas."""
         e = self.engine
-        return int(e.train_micro_batch_size_per_gpu()), int(e.micro_batches), int(e.grid.get_data_parallel_world_size())
+        dp = int(e.grid.get_data_parallel_world_size())
+        return int(e.train_micro_batch_size_per_gpu()), int(e.total_micro_batches) // dp, dp
+
+    def data_shares(self) -> Optional[List[int]]:
+        """Micro-batches per replica (None: the equal split)."""
+        return None if self.engine.data_shares is None else list(self.engine.data_shares)
+
+    def set_data_shares(self, shares: Optional[Sequence[int]]) -> None:
+        """New shares of the same global batch: the engine's micro-batches, the data iterator's slices and
+        the Monitor's per-replica batch follow (every rank, at a step boundary)."""
+        e = self.engine
+        e.set_data_shares(shares)
+        it = e.data_iterator
+        if hasattr(it, "set_shares"):
+            it.set_shares(e.data_shares)
+        elif it is not None:
+            warnings.warn("data shares changed but the data iterator cannot follow: use "
+                          "pdv_ext.policy.data.ElasticBatches so that every replica reads its own slice of the "
+                          "global batch (no sample lost or repeated)")
+        glue = getattr(e, "pdv_policy", None)
+        if glue is not None:
+            glue.monitor.shares = e.data_shares
 
     def set_batch_size(self, micro_batches: int, micro_batch_size: int) -> None:
         e = self.engine
+        if e.data_shares is not None:  # a new global batch starts from the equal split
+            self.set_data_shares(None)
         if micro_batch_size != e.train_micro_batch_size_per_gpu():
             it = e.data_iterator
             if hasattr(it, "set_micro_batch_size"):
@@ -48,6 +73,7 @@ class EngineApplier:
             e.micro_batch_size = micro_batch_size
             e.reset_activation_shape()
         e.set_train_batch_size(micro_batch_size * micro_batches * e.grid.get_data_parallel_world_size())
+        e.total_micro_batches = int(e.micro_batches) * int(e.grid.get_data_parallel_world_size())
 
     def get_lr(self) -> List[float]:
         return [float(g["lr"]) for g in self.engine.optimizer.param_groups]
@@ -114,8 +140,11 @@ class PolicyGlue:
         # the world: every rank of every stage agrees; on NCCL the metrics travel on a gloo twin (no device sync)
         self.comm = world_comm()
         cuda = torch.device(getattr(engine, "device", "cpu")).type == "cuda"
+        topo = engine.grid._topo  # (stage, replica) of every global rank: what each per-rank time belongs to
+        layout = [(topo.get_coord(r).pipe, topo.get_coord(r).data) for r in range(self.comm.size)]
         self.monitor = Monitor(self.comm, engine.grid.get_data_parallel_world_size(), cfg.monitor, every=cfg.every,
-                               sync=torch.cuda.synchronize if cuda else None)
+                               sync=torch.cuda.synchronize if cuda else None, layout=layout)
+        self.monitor.shares = engine.data_shares
         engine.grad_hooks.append(_MonitorHook(self.monitor))
         # time forward/backward per rank (the straggler signal) through an instance-level instruction map
         wrap_instructions(engine, lambda instr, fn: _timed(fn, self.monitor, cuda),
@@ -201,7 +230,8 @@ def state_of(engine: Any) -> Dict[str, Any]:
         "aggregator": {"type": agg.name, **agg.options.model_dump()},
         "aggregator_state": agg.state_dict(),
         "micro_batch_size": int(engine.train_micro_batch_size_per_gpu()),
-        "micro_batches": int(engine.micro_batches),
+        "micro_batches": int(engine.total_micro_batches) // int(engine.grid.get_data_parallel_world_size()),
+        "data_shares": None if engine.data_shares is None else list(engine.data_shares),
         "data": it.state_dict() if hasattr(it, "state_dict") else None,
         "policy": glue.state_dict() if glue is not None else None,
     }
@@ -239,6 +269,8 @@ def load_state(engine: Any, load_dir: str, tag: Optional[str]) -> bool:
     mbs, mb, _ = applier.batch_geometry()
     if (mbs, mb) != (st["micro_batch_size"], st["micro_batches"]):
         applier.set_batch_size(st["micro_batches"], st["micro_batch_size"])
+    if st.get("data_shares") != applier.data_shares():
+        applier.set_data_shares(st.get("data_shares"))
     glue: Optional[PolicyGlue] = getattr(engine, "pdv_policy", None)
     if glue is not None and st.get("policy") is not None:
         glue.load_state_dict(st["policy"])

@@ -69,8 +69,14 @@ class Monitor:
     """
 
     def __init__(self, comm: Comm, dp_size: int, config: Optional[MonitorConfig] = None, every: int = 1,
-                 sync: Optional[Callable[[], None]] = None):
+                 sync: Optional[Callable[[], None]] = None, layout: Optional[Sequence[Sequence[int]]] = None):
         self.comm = comm
+        #: (pipeline stage, data-parallel replica) of every rank of `comm`, by rank: what a per-rank time
+        #: belongs to (default: one stage, rank r is replica r)
+        self.layout = [tuple(map(int, x)) for x in layout] if layout is not None else \
+            [(0, r) for r in range(comm.size)]
+        #: micro-batches per replica when the data shares are unequal (None: equal), set by the applier
+        self.shares: Optional[List[int]] = None
         #: waits for the device at `end_step` (GPU ranks: `torch.cuda.synchronize`): the host only queues a
         #: step's kernels, so without it the step's wall time would miss their tail. Training loops read the
         #: loss every step, which waits for the same work, so it costs little more than moving that wait.
@@ -181,11 +187,14 @@ class Monitor:
         batch = mbs * mb * self.dp_size
         wall = float(col["wall"].max())
         compute = col["compute"].tolist()
+        shares = list(self.shares) if self.shares is not None else [mb] * self.dp_size
         m: Dict[str, Any] = {
             "step": step, "time": time.time() - self._start, "samples": self.samples, "batch_size": batch,
             "micro_batches": mb, "micro_batch_size": mbs, "dp_size": self.dp_size, "lr": lr,
             "step_time": wall, "step_times": col["wall"].tolist(), "compute_times": compute,
             "samples_per_s": batch / wall if wall > 0 else math.nan,
+            "data_shares": shares, "stage_of_rank": [s for s, _ in self.layout],
+            "replica_of_rank": [d for _, d in self.layout],
         }
         losses = col["loss"][~torch.isnan(col["loss"])]
         m["loss"] = float(losses[0]) if len(losses) else None
@@ -200,10 +209,12 @@ class Monitor:
             # each replica's full-model |g|² is spread over its stages: sum over all ranks / replicas
             local_sq = float(col["local_sq"].sum()) / self.dp_size
             agg_sq = float(col["agg_sq"].sum()) / self.dp_size
-            b_small = mbs * mb
+            # the replicas' local batches: with unequal shares their harmonic mean keeps the estimate
+            # unbiased (E mean_d |g_d|² = |G|² + S mean_d 1/B_d); the aggregate is the whole batch's mean
+            b_small = len(shares) / sum(1.0 / (mbs * n) for n in shares) if self.shares is not None else mbs * mb
             m["local_sq"], m["agg_sq"] = local_sq, agg_sq
             if self.dp_size > 1:
-                self.gns.update(local_sq, agg_sq, b_small, b_small * self.dp_size)
+                self.gns.update(local_sq, agg_sq, b_small, mbs * mb * self.dp_size)
                 m["gns"], m["grad_sq"], m["noise"] = self.gns.gns, self.gns.grad_sq, self.gns.noise
         return m
 
@@ -214,6 +225,8 @@ class Monitor:
         if self.comm.rank != 0:
             return
         row = {k: v for k, v in m.items() if not isinstance(v, list)}
+        if self.shares is not None and m.get("data_shares"):  # unequal shares: micro-batches per replica
+            row["data_shares"] = "/".join(str(n) for n in m["data_shares"])
         for i, c in enumerate(m.get("compute_times", [])):
             row[f"compute_r{i}"] = c
         self.rows.append(row)

@@ -17,9 +17,10 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 import torch
 
 from ..comm.base import Comm
-from .base import (Action, Policy, SetAggregator, SetBatchSize, SetGossipPeers, SetLearningRate, TrainContext,
-                   action_from_dict)
+from .base import (Action, Policy, SetAggregator, SetBatchSize, SetDataShares, SetGossipPeers, SetLearningRate,
+                   TrainContext, action_from_dict)
 from .gns import lr_factor
+from .shares import check_shares
 
 log = logging.getLogger("pdv_ext.policy")
 
@@ -44,6 +45,12 @@ class Applier(Protocol):
     def set_aggregator(self, spec: Any) -> None: ...
 
     def set_gossip_peers(self, peers: int) -> None: ...
+
+    def data_shares(self) -> Optional[List[int]]:
+        """Micro-batches per data-parallel replica, None for the equal split (optional: frameworks without
+        per-replica batches leave both data-share methods out, and SetDataShares is refused)."""
+
+    def set_data_shares(self, shares: Optional[Sequence[int]]) -> None: ...
 
 
 class PolicyRunner:
@@ -76,7 +83,9 @@ class PolicyRunner:
         lrs = self.applier.get_lr()
         return TrainContext(world_size=self.comm.size, dp_size=dp, micro_batch_size=mbs, micro_batches=mb,
                             lr=lrs[0] if lrs else 0.0, step=step,
-                            extra={"stages": int(getattr(self.applier, "num_stages", 1))})
+                            extra={"stages": int(getattr(self.applier, "num_stages", 1)),
+                                   "data_shares": (self.applier.data_shares()
+                                                   if hasattr(self.applier, "data_shares") else None)})
 
     def on_train_begin(self, step: int = 0) -> None:
         ctx = self.context(step)
@@ -156,6 +165,12 @@ class PolicyRunner:
             rule = a.lr_rule or self.lr_scaling
             item["lr_factor"] = lr_factor(rule, mbs0 * mb0 * dp, mbs * mb * dp, metrics.get("gns"))
             self._geom = (mbs, mb, dp)
+        elif isinstance(a, SetDataShares):
+            if not hasattr(self.applier, "set_data_shares"):
+                raise ValueError(f"SetDataShares: {type(self.applier).__name__} has no per-replica batches")
+            _, mb, dp = self._geom or self.applier.batch_geometry()
+            if a.shares is not None:
+                check_shares(a.shares, dp, mb * dp, what="SetDataShares")
         return item
 
     def _broadcast(self, payload: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -197,6 +212,14 @@ class PolicyRunner:
             ap.set_aggregator(action.spec)
         elif isinstance(action, SetGossipPeers):
             ap.set_gossip_peers(int(action.peers))
+        elif isinstance(action, SetDataShares):
+            _, mb, dp = ap.batch_geometry()
+            shares = None if action.shares is None else check_shares(action.shares, dp, mb * dp,
+                                                                      what=f"SetDataShares from '{action.source}'")
+            if shares is not None and len(set(shares)) == 1:
+                shares = None  # the equal split is DeepSpeed's own (bit for bit)
+            if shares != ap.data_shares():
+                ap.set_data_shares(shares)
         else:
             raise TypeError(f"unknown action {action!r}")
 

@@ -1,0 +1,103 @@
+"""`rebalance`: give each data-parallel replica the share of the global batch that fits its measured speed.
+
+Synchronous data parallelism runs at the speed of its slowest replica: when a device slows down (it
+throttles, a neighbour's job shares it), every replica waits for it. From the Monitor's per-rank compute
+time (forward + backward) and each replica's current share, the policy estimates every replica's time per
+micro-batch (its slowest stage's), smooths it (`ema`), and computes the split of the step's micro-batches
+that makes the replicas finish together (`pdv_ext.policy.shares.best_shares`). It changes the shares only
+when the predicted step time drops by at least `threshold` (default 5%) on `patience` agreement steps in a
+row, so noise does not churn them; when the slowdown ends, the equal split wins the same way and the
+shares go back. The global batch, and so the gradient, stay the same (the aggregator weighs the replicas
+by their samples): only the wall time changes.
+
+Decisions are logged in `decisions` (step, shares, predicted step times) for benchmarks and plots.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+from pydantic import Field
+
+from ...config_base import StrictModel
+from ..base import Action, Policy, SetDataShares, register_policy
+from ..shares import best_shares, predicted_step
+
+
+@register_policy("rebalance")
+class Rebalance(Policy):
+
+    class Options(StrictModel):
+        #: act when the predicted step time drops by at least this fraction
+        threshold: float = Field(0.05, gt=0.0, lt=1.0)
+        #: agreement steps in a row that must predict that gain before the shares change
+        patience: int = Field(2, ge=1)
+        #: weight of the past in the smoothed time per micro-batch (0: the last agreement step only)
+        ema: float = Field(0.5, ge=0.0, lt=1.0)
+        #: agreement steps to ignore at the start (allocator, caches and JIT warming up)
+        warmup_steps: int = Field(2, ge=0)
+        #: fewest micro-batches a replica keeps (a replica with none would leave its devices idle)
+        min_share: int = Field(1, ge=1)
+
+    def __init__(self, options: Any = None, **kwargs: Any):
+        super().__init__(options, **kwargs)
+        self.times: Optional[List[float]] = None  # smoothed seconds per micro-batch, per replica
+        self.seen = 0
+        self.streak = 0
+        self.wanted: Optional[List[int]] = None
+        #: every change: {"step", "shares", "predicted_before", "predicted_after", "times"}
+        self.decisions: List[Dict[str, Any]] = []
+
+    def replica_times(self, metrics: Dict[str, Any]) -> Optional[List[float]]:
+        """Seconds per micro-batch of every replica's slowest stage, from this window's compute times."""
+        compute = metrics.get("compute_times") or []
+        shares = metrics.get("data_shares")
+        replica_of = metrics.get("replica_of_rank")
+        if not compute or not shares or not replica_of or len(replica_of) != len(compute):
+            return None
+        if any(not (c > 0) for c in compute):
+            return None
+        times = [0.0] * len(shares)
+        for r, c in enumerate(compute):
+            d = replica_of[r]
+            times[d] = max(times[d], c / shares[d])
+        return times if all(t > 0 for t in times) else None
+
+    def after_step(self, metrics: Dict[str, Any]) -> List[Action]:
+        times = self.replica_times(metrics)
+        if times is None:
+            return []
+        self.seen += 1
+        if self.seen <= self.options.warmup_steps:
+            return []
+        a = self.options.ema
+        if self.times is None or len(self.times) != len(times):
+            self.times = list(times)
+        else:
+            self.times = [a * old + (1.0 - a) * new for old, new in zip(self.times, times)]
+        shares = [int(n) for n in metrics["data_shares"]]
+        stages = max(metrics.get("stage_of_rank") or [0]) + 1
+        best = best_shares(self.times, sum(shares), stages, self.options.min_share)
+        now, then = predicted_step(shares, self.times, stages), predicted_step(best, self.times, stages)
+        # what the split cannot change (communication, optimizer, the pipeline's waits) stays in the step
+        rest = max(0.0, float(metrics.get("step_time") or 0.0) - now)
+        gain = (now - then) / (now + rest) if now > 0 else 0.0
+        if best == shares or gain < self.options.threshold:
+            self.streak, self.wanted = 0, None
+            return []
+        self.streak = self.streak + 1 if best == self.wanted else 1
+        self.wanted = best
+        if self.streak < self.options.patience:
+            return []
+        self.streak, self.wanted = 0, None
+        self.decisions.append({"step": int(metrics["step"]), "shares": best, "predicted_before": now + rest,
+                               "predicted_after": then + rest, "times": list(self.times)})
+        return [SetDataShares(None if len(set(best)) == 1 else tuple(best))]
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"times": self.times, "seen": self.seen, "streak": self.streak, "wanted": self.wanted,
+                "decisions": list(self.decisions)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.times, self.seen = state.get("times"), int(state.get("seen", 0))
+        self.streak, self.wanted = int(state.get("streak", 0)), state.get("wanted")
+        self.decisions = list(state.get("decisions", []))

@@ -1,0 +1,104 @@
+"""Rank-side functions of the data-share tests (run through pdv_ext.spawn.run_ranks).
+
+Each rank trains the same seeded MLP pipeline with the global batch split equally and with unequal shares
+(from the config, or set at a step boundary by a policy action), and also computes, alone, one step of
+the whole model on the whole global batch: what every split must reproduce.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+D_IN, D_OUT = 16, 4
+
+
+def _dataset(n: int = 512, seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, D_IN, generator=g)
+    return x, (x[:, :D_OUT].sum(1) > 0).long() + 2 * (x[:, D_OUT:2 * D_OUT].sum(1) > 0).long()
+
+
+def _reference(layers: int, hidden: int, seed: int, lr: float, steps_idx: List[torch.Tensor]):
+    """The whole model in one process: SGD on the mean loss over each step's whole global batch."""
+    from pdv_ext.models import mlp_layers, seed_layer
+
+    x, y = _dataset()
+    mods = []
+    for i, spec in enumerate(mlp_layers(layers, hidden, D_IN, D_OUT)):
+        seed_layer(seed + i)  # PipelineModule(seed_layers=True, base_seed=seed) seeds layer i so
+        mods.append(spec.build())
+    params = [p for m in mods for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=lr)
+    losses = []
+    for idx in steps_idx:
+        h = x[idx]
+        for m in mods:
+            h = m(h)
+        loss = torch.nn.functional.cross_entropy(h, y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return {f"{i}.{n}": p.detach().clone() for i, m in enumerate(mods) for n, p in m.named_parameters()}, losses
+
+
+def train_shares(mode: str, runs: List[Dict[str, Any]], steps: int = 2, stages: int = 2, layers: int = 4,
+                 hidden: int = 16, micro_batch: int = 4, grad_acc: int = 3, seed: int = 7, lr: float = 0.5,
+                 aggregator: str = "mean") -> Dict[str, Any]:
+    """For each run ({"label", "config_shares", "set_shares": [(before step k, shares), ...]}): train
+    `steps` steps with SGD; returns losses, this stage's final weights (float32), the shares in force and
+    the positions the iterator handed out. Plus the one-process reference on the same global batches."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.pipe import PipelineModule
+
+    import pdv_ext
+    from pdv_ext.models import mlp_layers, seed_layer
+    from pdv_ext.policy.data import ElasticBatches
+    from pdv_ext.policy.engine import EngineApplier
+
+    from tests.integration.engine_mode_workers import input_dtype, mode_config
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    dp = dist.get_world_size() // stages
+    total = grad_acc * dp
+    out: Dict[str, Any] = {"rank": dist.get_rank(), "runs": {}}
+    dtype = input_dtype(mode)
+    for run in runs:
+        torch.manual_seed(seed)
+        model = PipelineModule(layers=mlp_layers(layers, hidden, D_IN, D_OUT), num_stages=stages,
+                               loss_fn=torch.nn.CrossEntropyLoss(), seed_layers=True, seed_fn=seed_layer,
+                               base_seed=seed, partition_method="uniform")
+        cfg = mode_config(mode, micro_batch, grad_acc, dp, lr, "SGD")
+        cfg["pdv"] = {"aggregation": {"type": aggregator}}
+        if run.get("config_shares") is not None:
+            cfg["pdv"]["data_shares"] = run["config_shares"]
+        if run.get("monitor"):
+            cfg["pdv"]["policy"] = {"monitor": {"enabled": True}}
+        eng = pdv_ext.initialize(model=model, config=cfg, model_parameters=[p for p in model.parameters()])[0]
+        data = ElasticBatches.for_engine(eng, _dataset(), seed=seed, record=True)
+        cast = (lambda it: ((xb.to(dtype), yb) for xb, yb in it)) if dtype != torch.float32 else (lambda it: it)
+        batches = cast(data)
+        changes = dict((k, s) for k, s in run.get("set_shares", []))
+        losses, shares_seen = [], []
+        for step in range(steps):
+            if step in changes:  # what the PolicyRunner does for a SetDataShares action
+                EngineApplier(eng).set_data_shares(changes[step])
+                data.set_shares(eng.data_shares)
+            shares_seen.append(None if eng.data_shares is None else list(eng.data_shares))
+            losses.append(float(eng.train_batch(data_iter=batches)))
+        out["runs"][run["label"]] = {
+            "losses": losses, "shares": shares_seen, "micro_batches": int(eng.micro_batches),
+            "weights": {n: p.detach().float().clone() for n, p in eng.module.named_parameters()},
+            "seen": list(data.seen), "stage": eng.stage_id, "dp_id": eng.grid.get_data_parallel_id(),
+            "native": eng.uses_deepspeed_reduction, "reduce_mode": eng.reduce_mode,
+            "metrics": ({k: v for k, v in eng.pdv_policy.last_metrics.items()
+                         if k in ("batch_size", "data_shares", "micro_batches")}
+                        if eng.pdv_policy is not None else None),
+        }
+        del eng
+    ref_it = ElasticBatches(_dataset(), micro_batch, 0, 1, seed=seed)
+    steps_idx = [ref_it.indices(s * total * micro_batch, total * micro_batch) for s in range(steps)]
+    out["reference"], out["reference_losses"] = _reference(layers, hidden, seed, lr, steps_idx)
+    return out

@@ -1,0 +1,48 @@
+"""Per-replica data shares in DeepSpeed's pipeline engine (4 gloo ranks, pipe 2 x data 2): whatever the
+split, a step's gradient is the mean over every sample of the global batch - checked against one process
+on the whole batch - in fp32, bf16 and ZeRO-1; every stage of a replica runs its share; the data iterator
+hands each replica its slice; equal shares stay DeepSpeed's own reduction, bit for bit."""
+import pytest
+import torch
+
+from pdv_ext.spawn import run_ranks
+
+pytestmark = pytest.mark.integration
+
+RUNS = [
+    {"label": "equal"},
+    {"label": "config", "config_shares": [5, 1]},          # pdv.data_shares in the config
+    {"label": "action", "set_shares": [(1, [1, 5])]},       # a SetDataShares at the step boundary before step 1
+    {"label": "watched", "config_shares": [4, 2], "monitor": True},
+]
+
+
+def _close(a, b, rtol, atol):
+    return all(torch.allclose(a[n], b[n], rtol=rtol, atol=atol) for n in a)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,rtol,atol", [("fp32", 1e-5, 1e-6), ("bf16", 2e-2, 2e-2), ("zero1", 1e-5, 1e-6)])
+def test_every_split_gives_the_whole_batch_gradient(mode, rtol, atol):
+    res = run_ranks("tests.integration.shares_workers:train_shares", 4, dict(mode=mode, runs=RUNS, steps=2),
+                    timeout=280)
+    ref_losses = res[0]["reference_losses"]
+    positions = {}
+    for r in res:
+        ref = {n: w for n, w in r["reference"].items() if n in r["runs"]["equal"]["weights"]}
+        assert ref, "the reference names the engine's parameters"
+        for label, run in r["runs"].items():
+            # the loss DeepSpeed reports is the mean over every micro-batch of the step
+            assert run["losses"] == pytest.approx(ref_losses, rel=rtol, abs=atol), (mode, label)
+            assert _close(run["weights"], ref, rtol, atol), (mode, label)
+            positions.setdefault(label, []).extend(run["seen"] if run["stage"] == 0 else [])
+        equal, config = r["runs"]["equal"], r["runs"]["config"]
+        assert equal["native"] is (mode != "fp32") and config["native"] is False, mode
+        assert config["micro_batches"] == [5, 1][config["dp_id"]]
+        assert r["runs"]["action"]["shares"] == [None, [1, 5]]
+        if r["runs"]["watched"]["metrics"] is not None:
+            m = r["runs"]["watched"]["metrics"]
+            assert m["batch_size"] == 24 and m["data_shares"] == [4, 2] and m["micro_batches"] == 3
+    # the first stage of each replica read its slice: together every position of the 2 global batches, once
+    for label, seen in positions.items():
+        assert sorted(seen) == list(range(2 * 6 * 4)), label
