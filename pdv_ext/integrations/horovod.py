@@ -96,6 +96,10 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
         self._ordered = [v for k, v in sorted(named_parameters, key=lambda kv: kv[0])
                          if id(v) in all_ids and v.requires_grad]
         self.backward_passes_per_step = int(backward_passes_per_step)
+        #: backward passes per rank this step when the data shares are unequal (None: every rank runs
+        #: `backward_passes_per_step`); set at a step boundary by `set_data_shares`
+        self.data_shares: Optional[List[int]] = None
+        self._equal_passes = self.backward_passes_per_step
         self._delay = {p: self.backward_passes_per_step for p in self._ordered}
         self._handles: Dict[torch.Tensor, Any] = {}
         self._synchronized = False
@@ -154,6 +158,8 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
         return [torch.zeros_like(p) if g is None else g for p, g in zip(self._ordered, grads)]
 
     def _native(self) -> bool:
+        # Horovod's Average of each rank's accumulated sum is the exact sample mean (times the mean number
+        # of passes) whatever the shares, so unequal shares need no change on the native path
         return self._native_op is not None and not self.grad_hooks
 
     def _native_scale(self):
@@ -251,7 +257,22 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
         for p in sparse:
             p.grad = p.grad.to_sparse()
 
+    def _share_normalised(self, grads: List[torch.Tensor]) -> Optional[List[int]]:
+        """With unequal shares: scale this rank's accumulated gradient (a sum over its own passes, Horovod's
+        convention) to the equal-split scale, `mean passes / own passes`, so that every replica hands the
+        aggregator the mean over its own samples times the same factor; returns the per-rank sample
+        counts for the aggregator (None with equal shares: nothing changes)."""
+        if self.data_shares is None:
+            return None
+        mine = self.data_shares[self.comm.rank]
+        factor = self._equal_passes / mine
+        if factor != 1.0:
+            for g in grads:
+                g.mul_(factor)
+        return list(self.data_shares)
+
     def _aggregate_with_hooks(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        samples = self._share_normalised(grads)
         for hook in self.grad_hooks:
             grads = hook.before(self, grads)
         if self.aggregator.needs_validation and getattr(self.aggregator, "validation_fn", None) is None \
@@ -262,7 +283,7 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
         # rank and step with the others (the native path leaves this to Horovod, as hvd does); with
         # loss_scaled=True an overflow is left to the GradScaler instead
         self._guard.pre(self.aggregator, grads, self.comm, self.global_steps)
-        out = self.aggregator(grads, self.comm)
+        out = self.aggregator(grads, self.comm, samples=samples)
         self._guard.post(self.aggregator, out, self.comm, self.global_steps)
         for hook in self.grad_hooks:
             hook.after(self, out)
@@ -293,20 +314,42 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).zero_grad(*args, **kwargs)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
-        """Change gradient accumulation (e.g. after a batch-size policy action), at a step boundary."""
+        """Change gradient accumulation (e.g. after a batch-size policy action), at a step boundary; the
+        ranks' data shares go back to the equal split."""
         if passes <= 0:
             raise ValueError("backward_passes_per_step must be > 0")
+        self.data_shares = None
+        self._equal_passes = int(passes)
+        self._set_local_passes(int(passes))
+
+    def _set_local_passes(self, passes: int) -> None:
         self.backward_passes_per_step = int(passes)
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
+
+    def set_data_shares(self, shares: Optional[List[int]]) -> None:
+        """Backward passes (micro-batches) of each rank this step, adding up to size x the equal split's
+        passes (the global batch is unchanged); None or equal = the equal split. Call on every rank at the
+        same step boundary (the PolicyRunner does, for a SetDataShares action). Each backward pass adds the
+        gradient of one micro-batch's mean loss (Horovod's convention: do not divide the loss by the passes);
+        the reduction then gives the exact mean over every sample of the step, as with equal shares."""
+        from ..policy.shares import check_shares
+
+        size = self.comm.size if self.comm is not None else 1
+        if shares is not None:
+            shares = check_shares(shares, size, self._equal_passes * size, what="data shares")
+            if len(set(shares)) == 1:
+                shares = None
+        self.data_shares = shares
+        self._set_local_passes(self._equal_passes if shares is None else shares[self.comm.rank])
 
     # ---- state: what elastic commits and checkpoints carry -------------------------------------------
     def pdv_state_dict(self) -> Dict[str, Any]:
         """Aggregator (type, options, state: error feedback, RNG, step) and accumulation settings."""
         agg = self.aggregator
         return {"aggregator": {"type": agg.name, **agg.options.model_dump()}, "native_op": self._native_op,
-                "aggregator_state": agg.state_dict(), "backward_passes_per_step": self.backward_passes_per_step,
-                "global_steps": self.global_steps}
+                "aggregator_state": agg.state_dict(), "backward_passes_per_step": self._equal_passes,
+                "data_shares": self.data_shares, "global_steps": self.global_steps}
 
     def load_pdv_state_dict(self, state: Dict[str, Any]) -> None:
         native = state.get("native_op")
@@ -317,7 +360,10 @@ class _PDVDistributedOptimizer(torch.optim.Optimizer):
         # tensors onto this rank's device: state pickled on rank 0's GPU unpickles onto that GPU's index
         dev = next((p.device for p in self._ordered), None)
         self.aggregator.load_state_dict(_on_device(copy.deepcopy(state["aggregator_state"]), dev))
-        self.set_backward_passes_per_step(state.get("backward_passes_per_step", self.backward_passes_per_step))
+        self.set_backward_passes_per_step(state.get("backward_passes_per_step", self._equal_passes))
+        shares = state.get("data_shares")
+        if shares is not None and self.comm is not None and len(shares) == self.comm.size:
+            self.set_data_shares(shares)  # (an elastic world of another size starts from the equal split)
         self.global_steps = int(state.get("global_steps", self.global_steps))
 
     def state_dict(self):
@@ -443,11 +489,30 @@ class HorovodApplier:
         self.hook = hook
 
     def batch_geometry(self):
+        """(micro-batch size, passes per rank of the equal split, ranks): with unequal data shares the
+        middle one is the step's passes over the ranks."""
         h = self.hook
-        return int(h.micro_batch_size), int(h.optimizer.backward_passes_per_step), int(h.comm.size)
+        return int(h.micro_batch_size), int(h.optimizer._equal_passes), int(h.comm.size)
+
+    def data_shares(self) -> Optional[List[int]]:
+        shares = self.hook.optimizer.data_shares
+        return None if shares is None else list(shares)
+
+    def set_data_shares(self, shares) -> None:
+        """Backward passes per rank (the optimizer's accumulation, the data iterator's slices, the Monitor)."""
+        h = self.hook
+        h.optimizer.set_data_shares(shares)
+        if h.data is not None and hasattr(h.data, "set_shares"):
+            h.data.set_shares(h.optimizer.data_shares)
+        elif h.data is not None:
+            warnings.warn("data shares changed but the data iterator cannot follow: use "
+                          "pdv_ext.policy.data.ElasticBatches so that every rank reads its own slice")
+        h.monitor.shares = h.optimizer.data_shares
 
     def set_batch_size(self, micro_batches: int, micro_batch_size: int) -> None:
         h = self.hook
+        if h.optimizer.data_shares is not None:  # a new global batch starts from the equal split
+            self.set_data_shares(None)
         if micro_batch_size != h.micro_batch_size:
             if h.data is not None and hasattr(h.data, "set_micro_batch_size"):
                 h.data.set_micro_batch_size(micro_batch_size)
@@ -570,7 +635,8 @@ class PolicyHook:
 
     @property
     def micro_batches(self) -> int:
-        """Backward passes to run this step (gradient accumulation; a SetBatchSize action changes it)."""
+        """This rank's backward passes this step (gradient accumulation: SetBatchSize changes it for every
+        rank, SetDataShares per rank)."""
         return int(self.optimizer.backward_passes_per_step)
 
     def _restart_clock(self) -> None:
@@ -614,7 +680,8 @@ class PolicyHook:
     def state_dict(self) -> Dict[str, Any]:
         return {"step": self.step, "monitor": self.monitor.state_dict(),
                 "runner": self.runner.state_dict() if self.runner is not None else None,
-                "micro_batch_size": self.micro_batch_size, "micro_batches": self.micro_batches,
+                "micro_batch_size": self.micro_batch_size, "micro_batches": int(self.optimizer._equal_passes),
+                "data_shares": self.optimizer.data_shares,
                 "data": self.data.state_dict() if hasattr(self.data, "state_dict") else None}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -624,6 +691,10 @@ class PolicyHook:
             self.runner.load_state_dict(state["runner"])
         self.micro_batch_size = int(state["micro_batch_size"])
         self.optimizer.set_backward_passes_per_step(int(state["micro_batches"]))
+        shares = state.get("data_shares")
+        if shares is not None and len(shares) == self.comm.size:  # an elastic world of another size: equal
+            self.optimizer.set_data_shares(shares)
+        self.monitor.shares = self.optimizer.data_shares
         if state.get("data") is not None and hasattr(self.data, "load_state_dict"):
             self.data.load_state_dict(state["data"])
         self._begun = False  # policies see on_train_begin again, after their state is restored
@@ -634,6 +705,8 @@ class PolicyHook:
         if self.data is not None and hasattr(self.data, "dp_size"):
             self.data.set_micro_batch_size(self.micro_batch_size)  # re-base at the committed position
             self.data.dp_rank, self.data.dp_size = self.comm.rank, self.comm.size
+            if hasattr(self.data, "set_shares"):
+                self.data.set_shares(self.optimizer.data_shares)
 
 
 def _register_policy_handler() -> None:

@@ -391,6 +391,79 @@ def policy_checks(steps: int = 6) -> Dict[str, Any]:
             "state_keys": sorted(state), "weights": [p.detach().clone() for p in model.parameters()]}
 
 
+class FixedShares:
+    """A user's share policy (plugin template): from step `at`, the given passes per rank."""
+
+    def __new__(cls, **options):
+        from pdv_ext.policy.base import Policy, SetDataShares
+
+        class _Fixed(Policy):
+            name = "fixed_shares"
+
+            def after_step(self, metrics):
+                if metrics["step"] == options["at"]:
+                    return [SetDataShares(options["shares"])]
+                return []
+
+        return _Fixed({})
+
+
+def shares_checks(steps: int = 3, passes: int = 2, mbs: int = 4) -> Dict[str, Any]:
+    """Per-rank data shares: the native path, the aggregator path (a grad hook forces it) and a user's
+    policy returning SetDataShares, against one process on each step's whole global batch."""
+    import horovod.torch as hvd
+
+    import pdv_ext.horovod as ph
+    from pdv_ext.policy.data import ElasticBatches
+
+    g = torch.Generator().manual_seed(9)
+    xs, ys = torch.randn(240, 6, generator=g), torch.randint(0, 3, (240,), generator=g)
+    size, total = hvd.size(), passes * hvd.size()
+    out: Dict[str, Any] = {"rank": hvd.rank()}
+    runs = {"native": (list(range(size, 0, -1)), None), "aggregator": ([total - size + 1] + [1] * (size - 1), _Tap()),
+            "policy": (None, None)}
+    for label, (shares, tap) in runs.items():
+        model = _model()
+        opt = ph.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters(), backward_passes_per_step=passes)
+        data = ElasticBatches((xs, ys), mbs, hvd.rank(), size, seed=2, record=True)
+        hook = None
+        if tap is not None:
+            opt.grad_hooks.append(tap)
+        if label == "policy":  # at step 0's boundary: steps 1.. run [1, ..., total - size + 1]
+            cfg = {"policy": {"plugins": [{"name": "tests.integration.horovod_workers:FixedShares", "at": 0,
+                                           "shares": [1] * (size - 1) + [total - size + 1]}]}}
+            hook = ph.PolicyHook(opt, config=cfg, micro_batch_size=mbs, data=data)
+        elif shares is not None:
+            opt.set_data_shares(shares)
+            data.set_shares(shares)
+        native = []
+        for _ in range(steps):
+            opt.zero_grad()
+            native.append(opt._native())
+            for _ in range(hook.micro_batches if hook is not None else opt.backward_passes_per_step):
+                x, y = next(data)
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            if hook is not None:
+                m = hook.after_step(0.0)
+        out[label] = {"weights": [p.detach().clone() for p in model.parameters()], "seen": sorted(data.seen),
+                      "shares": opt.data_shares, "native": native,
+                      "metrics": {"batch_size": m["batch_size"], "data_shares": m["data_shares"]} if hook else None}
+    # one process, the whole global batch of each step: Horovod's convention sums the passes, so the
+    # equal split's update is passes x the mean gradient over the step's samples
+    ref_model = _model()
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    it = ElasticBatches((xs, ys), mbs, 0, 1, seed=2)
+    for s in range(steps):
+        idx = it.indices(s * total * mbs, total * mbs)
+        ref_opt.zero_grad()
+        (passes * torch.nn.functional.cross_entropy(ref_model(xs[idx]), ys[idx])).backward()
+        ref_opt.step()
+    out["reference"] = [p.detach().clone() for p in ref_model.parameters()]
+    return out
+
+
 def mpi_checks() -> Dict[str, Any]:
     return {"comm": comm_checks(), "optimizer": optimizer_checks(adasum=True, quick=True)}
 
