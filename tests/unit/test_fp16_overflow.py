@@ -25,7 +25,8 @@ def _grads(rank, bad):
 def test_an_overflow_on_one_replica_skips_the_step_on_all(spec, bad):
     def fn(comm):
         agg = build_aggregator(dict(spec))
-        engine = types.SimpleNamespace(fp16_enabled=lambda: True, aggregator=agg, grad_hooks=[], dp_comm=comm)
+        engine = types.SimpleNamespace(fp16_enabled=lambda: True, aggregator=agg, grad_hooks=[], dp_comm=comm,
+                                       group_samples=lambda: None)
         grads = _grads(comm.rank, bad)
         out = PDVPipelineEngine.aggregate_gradients(engine, grads)
         return out, agg.step, getattr(agg, "residual", None)
