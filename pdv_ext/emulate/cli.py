@@ -13,6 +13,7 @@ from typing import List, Optional
 
 from ..cli_args import check_ranges
 from . import launcher, netns
+from .spec import device_ip, load_spec
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 def describe(em: "launcher.Emulation") -> str:
     spec, lines = em.spec, []
     for i, d in enumerate(spec.devices):
-        lines.append(f"rank {i}: {d.name} on {d.host} ns={em.name}-d{i} ip={netns.device_ip(spec, i)} "
+        lines.append(f"rank {i}: {d.name} on {d.host} ns={em.name}-d{i} ip={device_ip(spec, i)} "
                      f"cpu={em.cores[i]:.3f} cores")
     for i in range(len(spec.devices)):
         for j in range(len(spec.devices)):
@@ -65,8 +66,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     check_ranges(ap, args, positive=["--timeout", "--cpu-budget", "--top-share"])
     if args.top_share is not None and args.top_share > (os.cpu_count() or 1):
         ap.error(f"--top-share {args.top_share:g} is more than this machine's {os.cpu_count() or 1} cores")
-    from .spec import load_spec
-
     try:
         spec = load_spec(args.cluster)
     except Exception as exc:  # the loader's own message names the bad key

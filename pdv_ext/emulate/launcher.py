@@ -19,7 +19,7 @@ from typing import BinaryIO, Dict, List, Optional, Sequence
 
 from ..spawn import default_env, kill_group
 from . import cgroup, netns
-from .spec import EmuSpec
+from .spec import EmuSpec, device_ip
 
 MASTER_PORT = 29500
 TIMEOUT_EXIT = 124
@@ -80,7 +80,7 @@ class Emulation:
         d = spec.devices[i]
         return {**os.environ, **default_env(), **self.env,
                 "RANK": str(i), "WORLD_SIZE": str(len(spec.devices)), "LOCAL_RANK": str(spec.local_rank(i)),
-                "LOCAL_WORLD_SIZE": str(spec.local_size(i)), "MASTER_ADDR": netns.device_ip(spec, 0),
+                "LOCAL_WORLD_SIZE": str(spec.local_size(i)), "MASTER_ADDR": device_ip(spec, 0),
                 "MASTER_PORT": str(MASTER_PORT), "PDV_DEVICE_NAME": d.name, "PDV_HOST": d.host,
                 "PDV_DEVICE_CORES": f"{self.cores[i]:.4f}", "PDV_EMULATION": self.name,
                 "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0",

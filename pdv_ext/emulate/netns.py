@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import re
 import subprocess
-from collections import Counter
 from typing import List, Optional
 
-from .spec import EmuSpec
+from .spec import SUBNET, EmuSpec, device_ip
 
-SUBNET = "10.251"
 MTU = 9000
 STALE_RE = re.compile(r"^pdv-[0-9a-f]{6}-")
 
@@ -37,23 +35,6 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     if check and p.returncode != 0:
         raise NetError(f"`{' '.join(args)}` failed: {(p.stderr or p.stdout).strip()}")
     return p
-
-
-def device_ip(spec: EmuSpec, i: int) -> str:
-    return f"{SUBNET}.{spec.host_index(i)}.{spec.local_rank(i) + 1}"
-
-
-def check_address_plan(spec: EmuSpec) -> None:
-    """ValueError when the cluster does not fit `10.251.<host>.<device + 1>` (at most 256 hosts of 254
-    devices; `.255` would be the host's broadcast address): an octet above 255 is an invalid address that
-    `ip` rejects half-way through set-up, so this runs before anything is created."""
-    per_host = Counter(d.host for d in spec.devices)
-    if len(per_host) > 256:
-        raise ValueError(f"{len(per_host)} hosts: the emulated network has room for at most 256 hosts")
-    for host, n in per_host.items():
-        if n > 254:
-            raise ValueError(f"host '{host}' has {n} devices: the emulated network has room for at most 254 "
-                             "devices per host (split them over more hosts)")
 
 
 def list_netns() -> List[str]:

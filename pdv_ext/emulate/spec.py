@@ -1,13 +1,20 @@
-"""What the emulator needs from a cluster description: devices (host, relative speed) and, per ordered
-pair of devices, the link's bandwidth and latency.
+"""What the emulator needs from a cluster description: devices (host, relative speed), per ordered pair of
+devices the link's bandwidth and latency, and where each device sits in the emulated network.
 
 The cluster YAML and its validation belong to the placement package (`pdv_ext.placement.cluster`); this
 module only reads its loaded object, so there is one format and one set of error messages.
+
+The address plan (`10.251.<host>.<device + 1>`) follows from the devices' hosts and positions, so it lives
+here with them: the network (netns.py) and the launcher read addresses from the spec, and a cluster that does
+not fit the plan is rejected when the spec is built, before anything is created.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import List
+
+SUBNET = "10.251"
 
 
 @dataclass
@@ -41,6 +48,23 @@ class EmuSpec:
         return sum(1 for d in self.devices if d.host == self.devices[i].host)
 
 
+def device_ip(spec: EmuSpec, i: int) -> str:
+    return f"{SUBNET}.{spec.host_index(i)}.{spec.local_rank(i) + 1}"
+
+
+def check_address_plan(spec: EmuSpec) -> None:
+    """ValueError when the cluster does not fit `10.251.<host>.<device + 1>` (at most 256 hosts of 254
+    devices; `.255` would be the host's broadcast address): an octet above 255 is an invalid address that
+    `ip` rejects half-way through set-up, so this runs before anything is created."""
+    per_host = Counter(d.host for d in spec.devices)
+    if len(per_host) > 256:
+        raise ValueError(f"{len(per_host)} hosts: the emulated network has room for at most 256 hosts")
+    for host, n in per_host.items():
+        if n > 254:
+            raise ValueError(f"host '{host}' has {n} devices: the emulated network has room for at most 254 "
+                             "devices per host (split them over more hosts)")
+
+
 def load_spec(path: str) -> EmuSpec:
     """Load a cluster YAML through the placement package's loader and keep what the emulator needs."""
     from ..placement.cluster import Cluster
@@ -61,7 +85,5 @@ def from_cluster(cluster) -> EmuSpec:
                 bw[i][j] = float(link.bandwidth)
                 lat[i][j] = float(link.latency)
     spec = EmuSpec(devs, bw, lat)
-    from .netns import check_address_plan  # the addresses are netns's; checked before anything is created
-
     check_address_plan(spec)
     return spec

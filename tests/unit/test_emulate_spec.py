@@ -4,7 +4,7 @@ import os
 import pytest
 
 from pdv_ext.emulate import cgroup, cli, launcher, netns
-from pdv_ext.emulate.spec import from_cluster
+from pdv_ext.emulate.spec import device_ip, from_cluster
 from pdv_ext.placement.cluster import Cluster
 
 CLUSTER = {
@@ -28,7 +28,7 @@ def test_spec_links_follow_cluster(spec):
     assert spec.bandwidth[0][2] == pytest.approx(10e6)  # inter-host
     assert spec.bandwidth[1][3] == spec.bandwidth[3][1] == pytest.approx(5e6)  # per-pair override
     assert spec.latency[1][3] == pytest.approx(2e-3)
-    assert [netns.device_ip(spec, i) for i in range(4)] == ["10.251.0.1", "10.251.0.2", "10.251.1.1", "10.251.1.2"]
+    assert [device_ip(spec, i) for i in range(4)] == ["10.251.0.1", "10.251.0.2", "10.251.1.1", "10.251.1.2"]
 
 
 def test_cpu_shares_are_proportional_and_fit_the_budget():
