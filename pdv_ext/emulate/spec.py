@@ -11,8 +11,8 @@ not fit the plan is rejected when the spec is built, before anything is created.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
-from typing import List
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
 
 SUBNET = "10.251"
 
@@ -29,6 +29,9 @@ class EmuSpec:
     devices: List[EmuDevice]
     bandwidth: List[List[float]]  # bytes/s from device i to device j (diagonal unused)
     latency: List[List[float]]  # seconds, one way
+    # the cluster's link classes, "intra_host" / "inter_host" -> (bytes/s, seconds one way): what a live
+    # change of a whole class (emulate/events.py) reports as its previous value
+    links: Dict[str, Tuple[float, float]] = field(default_factory=dict)
 
     @property
     def hosts(self) -> List[str]:
@@ -84,6 +87,7 @@ def from_cluster(cluster) -> EmuSpec:
                 link = cluster.link(i, j)
                 bw[i][j] = float(link.bandwidth)
                 lat[i][j] = float(link.latency)
-    spec = EmuSpec(devs, bw, lat)
+    classes = {"intra_host": cluster.spec.links.intra_host, "inter_host": cluster.spec.links.inter_host}
+    spec = EmuSpec(devs, bw, lat, {k: (float(v.bandwidth), float(v.latency)) for k, v in classes.items()})
     check_address_plan(spec)
     return spec
