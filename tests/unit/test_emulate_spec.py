@@ -39,9 +39,13 @@ def test_cpu_shares_are_proportional_and_fit_the_budget():
     assert cgroup.shares([1.0, 0.25], cpu_budget=8.0, top_share=0.5) == [0.5, 0.125]
     assert cgroup.weights([0.5, 0.25], 1) == [262144, 131072]
     assert cgroup.weights([0.5, 0.00001], 2) == [10000, 1]
-    for c in (1.0, 0.5, 0.145, 0.05):  # the kernel's 1 ms minimum quota; 2-10 ms periods
+    for c in (1.0, 0.5, 0.145, 0.1):  # the kernel's 1 ms minimum quota; 2-10 ms periods from 0.1 core up
         assert 2000 <= cgroup.period_us(c) <= 10000
-        assert c * cgroup.period_us(c) >= 1000 or cgroup.period_us(c) == 10000
+        assert c * cgroup.period_us(c) >= 1000
+    for c in (1.0, 0.5, 0.145, 0.1, 0.05, 0.0123, 0.001):  # the quota is the share, also below 0.1 core
+        period = cgroup.period_us(c)
+        assert period <= cgroup.MAX_PERIOD_US and cgroup.quota_us(c, period) >= cgroup.MIN_QUOTA_US
+        assert cgroup.quota_us(c, period) / period == pytest.approx(c, rel=0.01)
 
 
 def test_network_commands_stay_in_own_namespaces(spec, monkeypatch):
