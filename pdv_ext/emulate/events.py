@@ -223,9 +223,17 @@ def load_timeline(cluster_events: Optional[list], cluster_source: str, events_pa
         events, errors = events + more, errors + more_errors
     if spec is not None:
         errors += _check(events, spec)
-    if errors:
-        raise ConfigError(errors)
+    if errors:  # in the order of the files and of the events in them
+        sources = [cluster_source, events_path]
+        raise ConfigError(sorted(errors, key=lambda line: _place(line, sources)))
     return timeline(events)
+
+
+def _place(line: str, sources: List[Optional[str]]) -> Tuple[int, int]:
+    m = re.match(r"(.*?): events\[(\d+)\]", line)
+    if not m:
+        return (0, -1) if line.startswith(f"{sources[0]}:") else (1, -1)
+    return (0 if m.group(1) == sources[0] else 1, int(m.group(2)))
 
 
 def _known(names: List[str], bad: str) -> str:
