@@ -29,7 +29,6 @@ from .player import EventError, EventPlayer
 from .spec import EmuSpec, device_ip
 from .weather import Change, Weather
 
-
 MASTER_PORT = 29500
 TIMEOUT_EXIT = 124
 
