@@ -242,12 +242,17 @@ def _raise_exit(signum, frame):
 
 
 def cleanup_stale(log=print) -> int:
-    """Remove namespaces and cgroups of earlier runs (named `pdv-<6 hex>-...`). Returns how many."""
+    """Remove namespaces, cgroups and mark-clock folders of earlier runs (named `pdv-<6 hex>-...`). Returns
+    how many."""
     names = netns.stale_namespaces()
     netns.remove_namespaces(names)
     groups = [g for g in cgroup.stale() if netns.STALE_RE.match(os.path.basename(g) + "-")]
     for g in groups:
         cgroup.remove_tree(g)
-    for item in names + groups:
+    tmp = tempfile.gettempdir()
+    marks = [os.path.join(tmp, n) for n in sorted(os.listdir(tmp)) if netns.STALE_RE.match(n) and "-mark-" in n]
+    for m in marks:
+        shutil.rmtree(m, ignore_errors=True)
+    for item in names + groups + marks:
         log(f"removed {item}")
-    return len(names) + len(groups)
+    return len(names) + len(groups) + len(marks)

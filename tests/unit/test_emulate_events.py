@@ -391,3 +391,16 @@ def test_events_log_directory_must_exist(cluster_file, monkeypatch, capsys):
     monkeypatch.setattr(launcher.Emulation, "run", lambda self: pytest.fail("emulation started"))
     assert cli.main(["--cluster", cluster_file, "--events-log", "/nonexistent/dir/e.jsonl", "--", "true"]) == 2
     assert "events log /nonexistent/dir/e.jsonl: directory /nonexistent/dir does not exist" in capsys.readouterr().err
+
+
+def test_cleanup_removes_mark_folders_of_killed_runs(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(netns, "stale_namespaces", lambda: [])
+    monkeypatch.setattr(cgroup, "stale", lambda prefix="pdv-": [])
+    (tmp_path / "pdv-abc123-mark-x1y2").mkdir()  # what a kill -9 leaves behind with --events-clock mark
+    (tmp_path / "pdv-ranks-keep").mkdir()  # not a run's
+    assert launcher.cleanup_stale(log=lambda m: None) == 1
+    assert os.listdir(tmp_path) == ["pdv-ranks-keep"]
+
