@@ -15,16 +15,23 @@ from typing import List, Optional
 V1_ROOT = "/sys/fs/cgroup/cpu"
 V2_ROOT = "/sys/fs/cgroup"
 MIN_QUOTA_US = 1000  # the kernel's smallest quota
+MAX_PERIOD_US = 1000000  # and its longest period
+MIN_CORES = MIN_QUOTA_US / MAX_PERIOD_US  # the smallest share a quota can express
 
 
 def period_us(cores: float) -> int:
-    """CFS period for a group allowed `cores`: as short as the 1 ms minimum quota allows (2-10 ms).
+    """CFS period for a group allowed `cores`: as short as the 1 ms minimum quota allows (2-10 ms from 0.1
+    of a core up, longer below it, so that a slow device gets its share rather than 0.1 of a core).
 
     A throttled rank cannot answer a message until its next period, so long periods add up to a
     period of stall to every exchange with a slow device; short ones also make millisecond-long
     layers see the average quota.
     """
-    return int(min(10000, max(2000, math.ceil(MIN_QUOTA_US / max(cores, 1e-6)))))
+    return int(min(MAX_PERIOD_US, max(2000, math.ceil(MIN_QUOTA_US / max(cores, MIN_CORES)))))
+
+
+def quota_us(cores: float, period: int) -> int:
+    return max(MIN_QUOTA_US, int(round(cores * period)))
 
 
 class CgroupError(RuntimeError):
@@ -92,7 +99,7 @@ class CpuGroups:
             os.mkdir(path)
             self.paths.append(path)
             period = period_us(c)
-            quota = max(MIN_QUOTA_US, int(round(c * period)))
+            quota = quota_us(c, period)
             if self.version == 1:
                 _write(os.path.join(path, "cpu.cfs_period_us"), str(period))
                 _write(os.path.join(path, "cpu.cfs_quota_us"), str(quota))
@@ -100,6 +107,32 @@ class CpuGroups:
             else:
                 _write(os.path.join(path, "cpu.max"), f"{quota} {period}")
                 _write(os.path.join(path, "cpu.weight"), str(w[i]))
+
+    def set_cores(self, i: int, cores: float) -> None:
+        """Give device i a new quota while its rank runs, and every device the weight that follows the quotas
+        (the fastest at the maximum, as at creation)."""
+        if cores < MIN_CORES:
+            raise CgroupError(f"{cores:.6f} cores is below the smallest CPU quota ({MIN_CORES} of a core)")
+        period = period_us(cores)
+        quota = quota_us(cores, period)
+        path = self.paths[i]
+        if self.version == 2:
+            _write(os.path.join(path, "cpu.max"), f"{quota} {period}")  # both at once
+        else:
+            # v1 takes them one at a time. The period falls and the quota rises (or stays) with the share
+            # (`period_us`), so either intermediate pair is valid and lies between the old and the new share;
+            # going down, the quota first keeps the group from ever running above its old share.
+            names = ["cpu.cfs_quota_us", "cpu.cfs_period_us"]
+            values = {"cpu.cfs_quota_us": quota, "cpu.cfs_period_us": period}
+            for name in (names if cores < self.cores[i] else names[::-1]):
+                _write(os.path.join(path, name), str(values[name]))
+        new = list(self.cores)
+        new[i] = cores
+        old_w, new_w = weights(self.cores, self.version), weights(new, self.version)
+        for j, (w0, w1) in enumerate(zip(old_w, new_w)):
+            if w0 != w1:
+                _write(os.path.join(self.paths[j], "cpu.shares" if self.version == 1 else "cpu.weight"), str(w1))
+        self.cores = new
 
     def procs_file(self, i: int) -> str:
         return os.path.join(self.paths[i], "cgroup.procs")

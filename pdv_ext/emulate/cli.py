@@ -1,8 +1,10 @@
-"""`pdv emulate --cluster C.yaml [--timeout S] -- COMMAND...` and `pdv emulate --cleanup`.
+"""`pdv emulate --cluster C.yaml [--timeout S] [--events FILE] -- COMMAND...` and `pdv emulate --cleanup`.
 
 Runs COMMAND once per device of the cluster, each in its own network namespace behind its host's
 bridge, with tc-shaped links and a CPU quota proportional to the device's speed (see netns.py and
-cgroup.py). Exit code: the first failing rank's, 124 on timeout, 2 when emulation is unavailable.
+cgroup.py), and plays the cluster's events (its `events:` and --events FILE) while the ranks run.
+Exit code: the first failing rank's, 124 on timeout, 2 when emulation is unavailable or the input is
+bad, 1 when an event could not be applied.
 """
 from __future__ import annotations
 
@@ -12,12 +14,16 @@ import sys
 from typing import List, Optional
 
 from ..cli_args import check_ranges
+from ..config_base import ConfigError
+from ..placement.cluster import Cluster
 from . import launcher, netns
+from .events import CLOCKS, load_timeline
+from .spec import device_ip, from_cluster
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pdv emulate", description=__doc__.split("\n\n")[1],
-                                 usage="pdv emulate --cluster C.yaml [--timeout S] -- COMMAND...\n"
+                                 usage="pdv emulate --cluster C.yaml [--timeout S] [--events FILE] -- COMMAND...\n"
                                        "       pdv emulate --cleanup")
     ap.add_argument("--cluster", help="cluster YAML (devices, hosts, links)")
     ap.add_argument("--timeout", type=float, default=None, help="kill every rank after S seconds (exit 124)")
@@ -25,8 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cores shared by all devices (default 0.55 x the machine's cores)")
     ap.add_argument("--top-share", type=float, default=None,
                     help="cores given to the fastest device (default: what fits the budget, at most 1)")
+    ap.add_argument("--events", default=None, metavar="FILE",
+                    help="timeline of events (YAML/JSON: a list, or a mapping with an 'events:' list), merged with "
+                         "the cluster's own 'events:'")
+    ap.add_argument("--events-log", default=None, metavar="PATH",
+                    help="append one JSON line per event (applied or not) to PATH")
+    ap.add_argument("--events-clock", choices=CLOCKS, default="launch",
+                    help="the events' zero: when the ranks start (launch, default) or when a rank first calls "
+                         "pdv_ext.emulate.events.mark_start() (mark)")
     ap.add_argument("--run-name", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--dry-run", action="store_true", help="print the namespaces, addresses, rates and quotas")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the namespaces, addresses, rates, quotas and the timeline of events")
     ap.add_argument("--cleanup", action="store_true", help="remove namespaces/cgroups left by killed runs")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     return ap
@@ -35,13 +50,23 @@ def build_parser() -> argparse.ArgumentParser:
 def describe(em: "launcher.Emulation") -> str:
     spec, lines = em.spec, []
     for i, d in enumerate(spec.devices):
-        lines.append(f"rank {i}: {d.name} on {d.host} ns={em.name}-d{i} ip={netns.device_ip(spec, i)} "
+        lines.append(f"rank {i}: {d.name} on {d.host} ns={em.name}-d{i} ip={device_ip(spec, i)} "
                      f"cpu={em.cores[i]:.3f} cores")
     for i in range(len(spec.devices)):
         for j in range(len(spec.devices)):
             if i != j:
                 lines.append(f"link {i}->{j}: {spec.bandwidth[i][j] * 8 / 1e6:.1f} Mbit/s, "
                              f"{spec.latency[i][j] * 1e6:.0f} us")
+    lines.append(describe_timeline(em))
+    return "\n".join(lines)
+
+
+def describe_timeline(em: "launcher.Emulation") -> str:
+    if not em.changes:
+        return "timeline: no events"
+    zero = "when the ranks start" if em.events_clock == "launch" else "when a rank first calls mark_start()"
+    lines = [f"timeline: {len(em.changes)} event{'s' if len(em.changes) != 1 else ''}, from {zero}"]
+    lines += [f"event {c.index} at +{c.event.at:.1f}s: {c.text}" for c in em.changes]
     return "\n".join(lines)
 
 
@@ -65,15 +90,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     check_ranges(ap, args, positive=["--timeout", "--cpu-budget", "--top-share"])
     if args.top_share is not None and args.top_share > (os.cpu_count() or 1):
         ap.error(f"--top-share {args.top_share:g} is more than this machine's {os.cpu_count() or 1} cores")
-    from .spec import load_spec
-
     try:
-        spec = load_spec(args.cluster)
-    except Exception as exc:  # the loader's own message names the bad key
+        cluster = Cluster.load(args.cluster)
+        spec = from_cluster(cluster)
+    except ConfigError as exc:  # the loader's lines name the file and the bad key
+        for line in exc.errors:
+            print(f"pdv emulate: {line}", file=sys.stderr)
+        return 2
+    except Exception as exc:
         print(f"pdv emulate: {args.cluster}: {exc}", file=sys.stderr)
         return 2
-    em = launcher.Emulation(spec, command, timeout=args.timeout, cpu_budget=args.cpu_budget,
-                            top_share=args.top_share, run_name=args.run_name)
+    try:  # every event checked and worked out here, before anything exists
+        events = load_timeline(cluster.spec.events, args.cluster, args.events, spec)
+        em = launcher.Emulation(spec, command, timeout=args.timeout, cpu_budget=args.cpu_budget,
+                                top_share=args.top_share, run_name=args.run_name, events=events,
+                                events_log=args.events_log, events_clock=args.events_clock)
+    except ConfigError as exc:  # one line per bad event, each naming its file, index and key
+        for line in exc.errors:
+            print(f"pdv emulate: {line}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"pdv emulate: {exc}", file=sys.stderr)
+        return 2
     if args.dry_run:
         print(describe(em))
         return 0
@@ -91,6 +129,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except netns.NetError as exc:
         print(f"pdv emulate: {exc}", file=sys.stderr)
         return 2
+    except launcher.EventError as exc:
+        print(f"pdv emulate: {exc}; the run was stopped and everything removed", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@
 starts each rank as `ip netns exec <device ns> <command>` inside its CPU group with the environment a
 launcher gives, prefixes each output line with `[rank i]`, and returns the first failing rank's exit code.
 All resources carry the run's unique name `pdv-<id>`, so tear-down (in `finally`) removes exactly them.
+With `events=` a timeline (events.py) is worked out at construction (weather.py: a bad event is an error
+before anything exists) and played on this run's cgroups and classes while the ranks run (player.py); the
+player is stopped before tear-down, and an event that cannot be applied stops the run (`EventError`).
 """
 from __future__ import annotations
 
@@ -13,13 +16,18 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import BinaryIO, Dict, List, Optional, Sequence
 
 from ..spawn import default_env, kill_group
 from . import cgroup, netns
-from .spec import EmuSpec
+from .events import CLOCKS, MARK_ENV, Event, timeline
+from .events import check as check_events
+from .player import EventError, EventPlayer
+from .spec import EmuSpec, device_ip
+from .weather import Change, Weather
 
 MASTER_PORT = 29500
 TIMEOUT_EXIT = 124
@@ -57,7 +65,9 @@ class Emulation:
     def __init__(self, spec: EmuSpec, command: Sequence[str], timeout: Optional[float] = None,
                  cpu_budget: Optional[float] = None, top_share: Optional[float] = None,
                  run_name: Optional[str] = None, env: Optional[Dict[str, str]] = None,
-                 out: Optional[BinaryIO] = None, grace: float = 2.0, log=None):
+                 out: Optional[BinaryIO] = None, grace: float = 2.0, log=None,
+                 events: Optional[Sequence[Event]] = None, events_log: Optional[str] = None,
+                 events_clock: str = "launch"):
         self.spec = spec
         self.command = list(command)
         self.timeout = timeout
@@ -73,6 +83,19 @@ class Emulation:
         self.procs: List[subprocess.Popen] = []
         self._lock = threading.Lock()
         self.failed_rank: Optional[int] = None
+        # the timeline, checked and worked out now: a bad event is an error before anything exists
+        if events_clock not in CLOCKS:
+            raise ValueError(f"events clock must be one of {', '.join(CLOCKS)} (got {events_clock!r})")
+        self.events: List[Event] = timeline(events or [])
+        check_events(self.events, spec)
+        self.changes: List[Change] = Weather(spec, self.cores).plan(self.events)
+        if events_log is not None and not os.path.isdir(os.path.dirname(os.path.abspath(events_log))):
+            raise ValueError(f"events log {events_log}: directory {os.path.dirname(os.path.abspath(events_log))} "
+                             "does not exist")
+        self.events_log = events_log
+        self.events_clock = events_clock
+        self.player: Optional[EventPlayer] = None
+        self._mark_dir: Optional[str] = None
 
     # -------------------------------------------------------------------------------------------------
     def rank_env(self, i: int) -> Dict[str, str]:
@@ -80,11 +103,16 @@ class Emulation:
         d = spec.devices[i]
         return {**os.environ, **default_env(), **self.env,
                 "RANK": str(i), "WORLD_SIZE": str(len(spec.devices)), "LOCAL_RANK": str(spec.local_rank(i)),
-                "LOCAL_WORLD_SIZE": str(spec.local_size(i)), "MASTER_ADDR": netns.device_ip(spec, 0),
+                "LOCAL_WORLD_SIZE": str(spec.local_size(i)), "MASTER_ADDR": device_ip(spec, 0),
                 "MASTER_PORT": str(MASTER_PORT), "PDV_DEVICE_NAME": d.name, "PDV_HOST": d.host,
                 "PDV_DEVICE_CORES": f"{self.cores[i]:.4f}", "PDV_EMULATION": self.name,
                 "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0",
-                "OMP_NUM_THREADS": "1"}
+                "OMP_NUM_THREADS": "1", **({MARK_ENV: self.mark_path} if self.mark_path else {})}
+
+    @property
+    def mark_path(self) -> Optional[str]:
+        """The file `events.mark_start()` creates in a rank (the `mark` clock), or None."""
+        return os.path.join(self._mark_dir, "mark") if self._mark_dir else None
 
     def setup(self) -> None:
         self.net = netns.Network(self.spec, self.name)
@@ -93,6 +121,24 @@ class Emulation:
             self.log("kernel has no sch_netem: link latencies are not emulated (bandwidths are)")
         self.groups = cgroup.CpuGroups(self.name, self.cores)
         self.groups.create()
+        if self.changes or self.events_log:
+            if self.events_clock == "mark":
+                self._mark_dir = tempfile.mkdtemp(prefix=f"{self.name}-mark-")
+            self.player = EventPlayer(self.changes, self._apply, self.events_clock, self.mark_path,
+                                      self.events_log, log=self.log)
+
+    def _apply(self, c: Change) -> List[str]:
+        """One change on this run's own cgroups and classes (the player's thread)."""
+        notes = []
+        if c.cores is not None:
+            self.groups.set_cores(*c.cores)
+        for i, j, bw in c.rates:
+            self.net.set_rate(i, j, bw)
+        for k, q, bw in c.uplinks:
+            self.net.set_uplink_rate(k, q, bw)
+        if c.delays and not all(self.net.set_delay(i, j, d) for i, j, d in c.delays):
+            notes.append("latency not emulated (the kernel has no sch_netem)")
+        return notes
 
     def launch(self) -> None:
         for i in range(len(self.spec.devices)):
@@ -102,6 +148,8 @@ class Emulation:
                                  stderr=subprocess.STDOUT, start_new_session=True)
             self.procs.append(p)
             threading.Thread(target=self._pump, args=(i, p.stdout), daemon=True).start()
+        if self.player is not None:
+            self.player.start(time.monotonic())
 
     def _pump(self, i: int, stream) -> None:
         prefix = f"[rank {i}] ".encode()
@@ -118,6 +166,9 @@ class Emulation:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         first: Optional[tuple] = None  # (rank, code)
         while True:
+            if self.player is not None and self.player.error:
+                self.log("stopping the run: an event could not be applied")
+                raise EventError(self.player.error)
             codes = [p.poll() for p in self.procs]
             if first is None:
                 for i, c in enumerate(codes):
@@ -141,8 +192,13 @@ class Emulation:
         return 128 - code if code < 0 else code
 
     def cleanup(self) -> None:
-        """Remove processes, cgroups and namespaces of this run (safe to call more than once)."""
+        """Stop the event player, then remove processes, cgroups and namespaces of this run (safe to call more
+        than once)."""
         errors = []
+        if self.player is not None:
+            self.player.stop()  # returns with no change in flight: nothing is written to what is removed next
+        if self._mark_dir:
+            shutil.rmtree(self._mark_dir, ignore_errors=True)
         for p in self.procs:
             kill_group(p)
         det = cgroup.detect()
@@ -186,12 +242,17 @@ def _raise_exit(signum, frame):
 
 
 def cleanup_stale(log=print) -> int:
-    """Remove namespaces and cgroups of earlier runs (named `pdv-<6 hex>-...`). Returns how many."""
+    """Remove namespaces, cgroups and mark-clock folders of earlier runs (named `pdv-<6 hex>-...`). Returns
+    how many."""
     names = netns.stale_namespaces()
     netns.remove_namespaces(names)
     groups = [g for g in cgroup.stale() if netns.STALE_RE.match(os.path.basename(g) + "-")]
     for g in groups:
         cgroup.remove_tree(g)
-    for item in names + groups:
+    tmp = tempfile.gettempdir()
+    marks = [os.path.join(tmp, n) for n in sorted(os.listdir(tmp)) if netns.STALE_RE.match(n) and "-mark-" in n]
+    for m in marks:
+        shutil.rmtree(m, ignore_errors=True)
+    for item in names + groups + marks:
         log(f"removed {item}")
-    return len(names) + len(groups)
+    return len(names) + len(groups) + len(marks)

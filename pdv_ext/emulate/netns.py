@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import re
 import subprocess
-from collections import Counter
 from typing import List, Optional
 
-from .spec import EmuSpec
+from .spec import SUBNET, EmuSpec, device_ip
 
-SUBNET = "10.251"
 MTU = 9000
 STALE_RE = re.compile(r"^pdv-[0-9a-f]{6}-")
 
@@ -39,21 +37,12 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return p
 
 
-def device_ip(spec: EmuSpec, i: int) -> str:
-    return f"{SUBNET}.{spec.host_index(i)}.{spec.local_rank(i) + 1}"
-
-
-def check_address_plan(spec: EmuSpec) -> None:
-    """ValueError when the cluster does not fit `10.251.<host>.<device + 1>` (at most 256 hosts of 254
-    devices; `.255` would be the host's broadcast address): an octet above 255 is an invalid address that
-    `ip` rejects half-way through set-up, so this runs before anything is created."""
-    per_host = Counter(d.host for d in spec.devices)
-    if len(per_host) > 256:
-        raise ValueError(f"{len(per_host)} hosts: the emulated network has room for at most 256 hosts")
-    for host, n in per_host.items():
-        if n > 254:
-            raise ValueError(f"host '{host}' has {n} devices: the emulated network has room for at most 254 "
-                             "devices per host (split them over more hosts)")
+def uplink_bandwidth(spec: EmuSpec, bandwidth: List[List[float]], k: int, q: int) -> float:
+    """Host k's uplink towards host q runs at the fastest of the pairs between them: one pair alone is
+    limited by its own class, pairs sending at once share the uplink."""
+    mine = [i for i in range(len(spec.devices)) if spec.host_index(i) == k]
+    theirs = [j for j in range(len(spec.devices)) if spec.host_index(j) == q]
+    return max(bandwidth[i][j] for i in mine for j in theirs)
 
 
 def list_netns() -> List[str]:
@@ -147,17 +136,24 @@ class Network:
         run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "0")
 
     def _htb_class(self, ns: str, dev: str, minor: int, bytes_per_s: float, delay_s: float, match: str) -> None:
-        cid = f"1:{minor:x}"
-        run("tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", cid, "htb", "rate",
+        self._htb_rate("add", ns, dev, minor, bytes_per_s)
+        self._delay("add", ns, dev, minor, delay_s)
+        run("tc", "-n", ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+            "match", "ip", "dst", match, "flowid", f"1:{minor:x}")
+
+    def _htb_rate(self, verb: str, ns: str, dev: str, minor: int, bytes_per_s: float) -> None:
+        run("tc", "-n", ns, "class", verb, "dev", dev, "parent", "1:", "classid", f"1:{minor:x}", "htb", "rate",
             _rate(bytes_per_s), "ceil", _rate(bytes_per_s), "burst", _burst(bytes_per_s, self._packet), "cburst",
             _burst(bytes_per_s, self._packet), "quantum", "65536")
+
+    def _delay(self, verb: str, ns: str, dev: str, minor: int, delay_s: float) -> None:
+        """The class's leaf: netem with the delay where the kernel has it and there is a delay, else a fifo.
+        `replace` swaps one for the other on a running class."""
         if self.netem and delay_s > 0:
-            run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", cid, "netem", "delay",
+            run("tc", "-n", ns, "qdisc", verb, "dev", dev, "parent", f"1:{minor:x}", "netem", "delay",
                 f"{delay_s * 1e6:.0f}us", "limit", "100000")
         else:
-            run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", cid, "pfifo", "limit", "1000")
-        run("tc", "-n", ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-            "match", "ip", "dst", match, "flowid", cid)
+            run("tc", "-n", ns, "qdisc", verb, "dev", dev, "parent", f"1:{minor:x}", "pfifo", "limit", "1000")
 
     def _shape_device(self, i: int) -> None:
         ns = self.dev_ns[i]
@@ -169,15 +165,29 @@ class Network:
 
     def _shape_uplink(self, k: int) -> None:
         spec, ns = self.spec, self.host_ns[k]
-        mine = [i for i in range(len(spec.devices)) if spec.host_index(i) == k]
         others = [q for q in range(len(spec.hosts)) if q != k]
         if not others:
             return
         self._htb_root(ns, "up0")
         for q in others:
-            theirs = [j for j in range(len(spec.devices)) if spec.host_index(j) == q]
-            bw = max(spec.bandwidth[i][j] for i in mine for j in theirs)
+            bw = uplink_bandwidth(spec, spec.bandwidth, k, q)
             self._htb_class(ns, "up0", 16 + q, bw, 0.0, f"{SUBNET}.{q}.0/24")
+
+    # -- live changes (emulate/events.py); the classes and leaves `create` made, in this run's namespaces ----
+    def set_rate(self, i: int, j: int, bytes_per_s: float) -> None:
+        """Device i's rate towards device j."""
+        self._htb_rate("change", self.dev_ns[i], "eth0", 16 + j, bytes_per_s)
+
+    def set_delay(self, i: int, j: int, delay_s: float) -> bool:
+        """Device i's one-way delay towards device j; False (nothing done) where the kernel has no netem."""
+        if not self.netem:
+            return False
+        self._delay("replace", self.dev_ns[i], "eth0", 16 + j, delay_s)
+        return True
+
+    def set_uplink_rate(self, k: int, q: int, bytes_per_s: float) -> None:
+        """Host k's shared uplink rate towards host q."""
+        self._htb_rate("change", self.host_ns[k], "up0", 16 + q, bytes_per_s)
 
     # -- tear-down ------------------------------------------------------------------------------------
     def destroy(self) -> None:

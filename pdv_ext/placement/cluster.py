@@ -14,6 +14,7 @@ or "50us"/"2ms"; memory in bytes or "16 GiB"; throughput in FLOP/s or any relati
         - {a: a0, b: b0, bandwidth: 50 Mbit/s, latency: 2ms}
     reference_throughput: 2.0      # throughput of the device the layer profile was measured on
                                    # (default: the fastest device in the cluster)
+    events: [...]                  # `pdv emulate`'s timeline (pdv_ext.emulate.events); placement ignores it
 """
 from __future__ import annotations
 
@@ -118,6 +119,7 @@ class ClusterSpec(StrictModel):
     hosts: List[HostGroup] = Field(default_factory=list)
     links: Links = Field(default_factory=Links)
     reference_throughput: Optional[float] = Field(default=None, gt=0, allow_inf_nan=False)
+    events: Optional[List[Any]] = None  # validated by the emulator (pdv_ext.emulate.events), not here
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterSpec":

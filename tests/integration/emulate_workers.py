@@ -5,6 +5,11 @@
                                            receiver prints the measured bandwidth (bytes/s) as JSON
     python emulate_workers.py fail RANK C  rank RANK exits with code C, the others sleep
     python emulate_workers.py sleep S      every rank sleeps S seconds
+    python emulate_workers.py spin S       every rank busy-loops S seconds and prints its CPU seconds per
+                                           0.25 s window of wall time as JSON
+    python emulate_workers.py stream S     rank 0 streams bytes to rank 1 for S seconds; rank 1 calls
+                                           pdv_ext.emulate.events.mark_start() when the first bytes arrive and
+                                           prints the bytes received per 0.25 s window as JSON
 """
 import json
 import os
@@ -86,6 +91,75 @@ def bw(mb: float) -> None:
         print(json.dumps({"rank": rank, "bw_from_0": nbytes / dt}), flush=True)
 
 
+WINDOW = 0.25
+
+
+def spin(seconds: float) -> None:
+    """[wall start, wall end, CPU seconds] per window: what the rank's CPU quota let it run."""
+    windows = []
+    end = time.time() + seconds
+    t0, c0 = time.time(), time.process_time()
+    while t0 < end:
+        while time.time() - t0 < WINDOW:
+            pass
+        t1, c1 = time.time(), time.process_time()
+        windows.append([t0, t1, c1 - c0])
+        t0, c0 = t1, c1
+    print(json.dumps({"rank": int(os.environ["RANK"]), "windows": windows}), flush=True)
+
+
+def stream(seconds: float) -> None:
+    """Rank 0 sends to rank 1 as fast as the emulated link lets it; rank 1 reports [start, end, bytes] per
+    window and the wall time of its mark (when the bytes started to flow)."""
+    rank = int(os.environ["RANK"])
+    port = int(os.environ["MASTER_PORT"]) + 1
+    if rank == 0:
+        srv = socket.socket()
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind((os.environ["MASTER_ADDR"], port))
+        srv.listen(1)
+        c, _ = srv.accept()
+        payload = b"\0" * (1 << 16)
+        try:
+            while True:
+                c.sendall(payload)
+        except OSError:  # the receiver closed: done
+            pass
+        c.close()
+        srv.close()
+        return
+    if rank != 1:
+        return
+    from pdv_ext.emulate.events import mark_start
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            c = socket.create_connection((os.environ["MASTER_ADDR"], port), timeout=30)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    buf = bytearray(1 << 20)
+    c.recv_into(buf)
+    mark_start()
+    mark = time.time()
+    windows = []
+    t0, got = mark, 0
+    while t0 < mark + seconds:
+        n = c.recv_into(buf)
+        if not n:
+            raise ConnectionError("sender closed")
+        got += n
+        t1 = time.time()
+        if t1 - t0 >= WINDOW:
+            windows.append([t0, t1, got])
+            t0, got = t1, 0
+    c.close()
+    print(json.dumps({"rank": rank, "mark": mark, "windows": windows}), flush=True)
+
+
 def _recv_line(c: socket.socket) -> str:
     data = b""
     while not data.endswith(b"\n"):
@@ -109,3 +183,7 @@ if __name__ == "__main__":
         time.sleep(600)
     elif what == "sleep":
         time.sleep(float(sys.argv[2]))
+    elif what == "spin":
+        spin(float(sys.argv[2]))
+    elif what == "stream":
+        stream(float(sys.argv[2]))

@@ -4,7 +4,7 @@ import os
 import pytest
 
 from pdv_ext.emulate import cgroup, cli, launcher, netns
-from pdv_ext.emulate.spec import from_cluster
+from pdv_ext.emulate.spec import device_ip, from_cluster
 from pdv_ext.placement.cluster import Cluster
 
 CLUSTER = {
@@ -28,7 +28,7 @@ def test_spec_links_follow_cluster(spec):
     assert spec.bandwidth[0][2] == pytest.approx(10e6)  # inter-host
     assert spec.bandwidth[1][3] == spec.bandwidth[3][1] == pytest.approx(5e6)  # per-pair override
     assert spec.latency[1][3] == pytest.approx(2e-3)
-    assert [netns.device_ip(spec, i) for i in range(4)] == ["10.251.0.1", "10.251.0.2", "10.251.1.1", "10.251.1.2"]
+    assert [device_ip(spec, i) for i in range(4)] == ["10.251.0.1", "10.251.0.2", "10.251.1.1", "10.251.1.2"]
 
 
 def test_cpu_shares_are_proportional_and_fit_the_budget():
@@ -39,9 +39,13 @@ def test_cpu_shares_are_proportional_and_fit_the_budget():
     assert cgroup.shares([1.0, 0.25], cpu_budget=8.0, top_share=0.5) == [0.5, 0.125]
     assert cgroup.weights([0.5, 0.25], 1) == [262144, 131072]
     assert cgroup.weights([0.5, 0.00001], 2) == [10000, 1]
-    for c in (1.0, 0.5, 0.145, 0.05):  # the kernel's 1 ms minimum quota; 2-10 ms periods
+    for c in (1.0, 0.5, 0.145, 0.1):  # the kernel's 1 ms minimum quota; 2-10 ms periods from 0.1 core up
         assert 2000 <= cgroup.period_us(c) <= 10000
-        assert c * cgroup.period_us(c) >= 1000 or cgroup.period_us(c) == 10000
+        assert c * cgroup.period_us(c) >= 1000
+    for c in (1.0, 0.5, 0.145, 0.1, 0.05, 0.0123, 0.001):  # the quota is the share, also below 0.1 core
+        period = cgroup.period_us(c)
+        assert period <= cgroup.MAX_PERIOD_US and cgroup.quota_us(c, period) >= cgroup.MIN_QUOTA_US
+        assert cgroup.quota_us(c, period) / period == pytest.approx(c, rel=0.01)
 
 
 def test_network_commands_stay_in_own_namespaces(spec, monkeypatch):

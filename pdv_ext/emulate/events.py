@@ -1,0 +1,288 @@
+"""The cluster's weather: a timeline of changes to a running emulation (a device slows down, a link congests).
+
+Three kinds of event, each at a time after the timeline's zero (see `mark_start`)::
+
+    - {at: 40s, device: slow0, throughput: 0.33}             # the device's live CPU quota
+    - {at: 60s, pair: {a: fast1, b: slow1}, bandwidth: 10 Mbit/s, latency: 5ms}   # both directions
+    - {at: 90s, link: inter_host, bandwidth: 20 Mbit/s}       # every pair of that class (and host uplinks)
+
+`throughput` is relative, like the cluster YAML's; rates and latencies take the cluster YAML's units
+(`placement.cluster.parse_quantity`); `at` is seconds or "500ms", "40s", "1.5min", "2h". Events come from the
+cluster YAML's `events:` list and from an events file (a list, or a mapping with an `events:` key whose other
+keys are ignored), merged and sorted by `at`. Every problem is one line naming the event's source, index and
+key, raised before anything of a run exists; `check` validates the names against the emulated cluster.
+
+This module is also imported by the ranks (`mark_start`), so it stays light: no torch, no emulator state.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any, ClassVar, List, Literal, Optional, Sequence, Tuple, Union
+
+import yaml
+from pydantic import Field, PrivateAttr, ValidationError, field_validator
+
+from ..config_base import ConfigError, StrictModel, format_errors
+from ..placement.cluster import parse_quantity
+from ..registry import did_you_mean
+from .spec import EmuSpec
+
+#: the file a rank creates to start the `mark` clock; the launcher exports its path to every rank
+MARK_ENV = "PDV_EVENTS_MARK"
+#: when the timeline's zero is: the ranks' start, or the first `mark_start()` call of any rank
+CLOCKS = ("launch", "mark")
+LINK_CLASSES = ("intra_host", "inter_host")
+
+_TIME_UNITS = {"": 1.0, "s": 1.0, "sec": 1.0, "ms": 1e-3, "us": 1e-6, "min": 60.0, "h": 3600.0}
+
+
+def parse_time(value: Any) -> float:
+    """Seconds from a number or a string such as '500ms', '40s', '1.5min', '2h'."""
+    unreadable = "cannot read a time: use seconds or a number with a unit (500ms, 40s, 1.5min, 2h)"
+    if isinstance(value, bool):
+        raise ValueError(unreadable)
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-z]*)\s*", str(value))
+        if not m or m.group(2) not in _TIME_UNITS:
+            raise ValueError(unreadable)
+        try:
+            seconds = float(m.group(1)) * _TIME_UNITS[m.group(2)]
+        except ValueError:
+            raise ValueError(unreadable) from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError("a time must be a finite number of seconds >= 0")
+    return seconds
+
+
+def _bandwidth(value: Any) -> float:
+    return parse_quantity(value, "bandwidth")
+
+
+def _latency(value: Any) -> Optional[float]:
+    return None if value is None else parse_quantity(value, "latency")
+
+
+def _relative(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("expected a relative throughput such as 0.5")
+    return value
+
+
+class _Event(StrictModel):
+    at: float
+    kind: ClassVar[str] = ""
+    _origin: str = PrivateAttr(default="event")  # "<file>: events[i]", for messages
+
+    _at = field_validator("at", mode="before")(parse_time)
+
+    @property
+    def origin(self) -> str:
+        return self._origin
+
+    @property
+    def target(self) -> str:
+        raise NotImplementedError
+
+
+class DeviceEvent(_Event):
+    """The device's live CPU quota becomes `throughput` x the cores per unit of throughput of the start."""
+
+    kind: ClassVar[str] = "device"
+    device: str
+    throughput: float = Field(gt=0, allow_inf_nan=False)
+    _thr = field_validator("throughput", mode="before")(_relative)
+
+    @property
+    def target(self) -> str:
+        return self.device
+
+
+class _RateEvent(_Event):
+    bandwidth: float = Field(gt=0, allow_inf_nan=False)
+    latency: Optional[float] = Field(default=None, ge=0, allow_inf_nan=False)  # None: unchanged
+
+    _bw = field_validator("bandwidth", mode="before")(_bandwidth)
+    _lat = field_validator("latency", mode="before")(_latency)
+
+
+class PairEnds(StrictModel):
+    a: str
+    b: str
+
+
+class PairEvent(_RateEvent):
+    """One pair of devices, both directions (like the cluster YAML's `links.pairs`)."""
+
+    kind: ClassVar[str] = "pair"
+    pair: PairEnds
+
+    @property
+    def target(self) -> str:
+        return f"{self.pair.a}<->{self.pair.b}"
+
+
+class LinkEvent(_RateEvent):
+    """Every pair of devices of that class (per-pair overrides included); inter_host also sets the hosts'
+    shared uplinks, which the network shapes at the fastest of their pairs."""
+
+    kind: ClassVar[str] = "link"
+    link: Literal["intra_host", "inter_host"]
+
+    @property
+    def target(self) -> str:
+        return self.link
+
+
+Event = Union[DeviceEvent, PairEvent, LinkEvent]
+_MODELS = {"device": DeviceEvent, "pair": PairEvent, "link": LinkEvent}
+_EXAMPLE = "{at: 40s, device: slow0, throughput: 0.33}"
+
+
+def parse_events(items: Any, source: str) -> List[Event]:
+    """Validate a list of raw events (from YAML/JSON); ConfigError with one line per bad event."""
+    out, errors = _parse(items, source)
+    if errors:
+        raise ConfigError(errors)
+    return out
+
+
+def _parse(items: Any, source: str) -> Tuple[List[Event], List[str]]:
+    """The valid events and one line per invalid one."""
+    if items is None:
+        return [], []
+    if not isinstance(items, list):
+        return [], [f"{source}: events: expected a list of events such as [{_EXAMPLE}] (got {items!r})"]
+    out: List[Event] = []
+    errors: List[str] = []
+    for i, item in enumerate(items):
+        where = f"{source}: events[{i}]"
+        if not isinstance(item, dict):
+            errors.append(f"{where}: expected a mapping such as {_EXAMPLE} (got {item!r})")
+            continue
+        kinds = [k for k in _MODELS if k in item]
+        if len(kinds) != 1:
+            what = "has " + " and ".join(repr(k) for k in kinds) if kinds else f"has keys {sorted(map(str, item))}"
+            errors.append(f"{where}: an event needs exactly one of 'device', 'pair' or 'link' ({what})")
+            continue
+        model = _MODELS[kinds[0]]
+        try:
+            event = model.model_validate(item)
+        except ValidationError as exc:
+            lines = format_errors(exc, model, where)
+            # a misspelt key is one problem: its did-you-mean line says it, not also "required key is missing"
+            meant = {m.group(1) for m in (re.search(r"did you mean '([^']+)'", x) for x in lines) if m}
+            errors.extend(x for x in lines if not any(x == f"{where}.{k}: required key is missing" for k in meant))
+            continue
+        event._origin = where
+        out.append(event)
+    return out, errors
+
+
+def read_events_file(path: str) -> List[Event]:
+    """Events from a YAML/JSON file: a list of events, or a mapping with an `events:` list (a scenario file;
+    its other keys belong to whoever else reads it)."""
+    return parse_events(_events_in_file(path), path)
+
+
+def _events_in_file(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError([f"{path}: cannot read events file: {exc}"]) from exc
+    if isinstance(data, dict):
+        if "events" not in data:
+            raise ConfigError([f"{path}: no 'events' key (an events file is a list of events or a mapping with "
+                               f"an 'events:' list; found keys {sorted(map(str, data))})"])
+        return data["events"]
+    if not isinstance(data, list):
+        raise ConfigError([f"{path}: expected a list of events or a mapping with an 'events:' list "
+                           f"(got {type(data).__name__})"])
+    return data
+
+
+def timeline(events: Sequence[Event]) -> List[Event]:
+    """The events sorted by `at` (stable: events at the same time keep their order, the cluster's first)."""
+    return sorted(events, key=lambda e: e.at)
+
+
+def load_timeline(cluster_events: Optional[list], cluster_source: str, events_path: Optional[str] = None,
+                  spec: Optional[EmuSpec] = None) -> List[Event]:
+    """The cluster YAML's `events:` (`Cluster.spec.events`, raw) and an events file's, merged; with `spec`,
+    also checked against the cluster (`check`). ConfigError listing every bad event of both sources."""
+    events, errors = _parse(cluster_events, cluster_source)
+    if events_path:
+        try:
+            more, more_errors = _parse(_events_in_file(events_path), events_path)
+        except ConfigError as exc:
+            more, more_errors = [], exc.errors
+        events, errors = events + more, errors + more_errors
+    if spec is not None:
+        errors += _check(events, spec)
+    if errors:  # in the order of the files and of the events in them
+        sources = [cluster_source, events_path]
+        raise ConfigError(sorted(errors, key=lambda line: _place(line, sources)))
+    return timeline(events)
+
+
+def _place(line: str, sources: List[Optional[str]]) -> Tuple[int, int]:
+    m = re.match(r"(.*?): events\[(\d+)\]", line)
+    if not m:
+        return (0, -1) if line.startswith(f"{sources[0]}:") else (1, -1)
+    return (0 if m.group(1) == sources[0] else 1, int(m.group(2)))
+
+
+def _known(names: List[str], bad: str) -> str:
+    hint = did_you_mean(bad, names)
+    shown = ", ".join(names[:16]) + (f", ... ({len(names)} devices)" if len(names) > 16 else "")
+    return f"{hint}; known devices: {shown}" if hint else f"; known devices: {shown}"
+
+
+def check(events: Sequence[Event], spec: EmuSpec) -> None:
+    """ConfigError naming each event whose device, pair or link class the emulated cluster does not have."""
+    errors = _check(events, spec)
+    if errors:
+        raise ConfigError(errors)
+
+
+def _check(events: Sequence[Event], spec: EmuSpec) -> List[str]:
+    names = [d.name for d in spec.devices]
+    known = set(names)
+    hosts = [d.host for d in spec.devices]
+    errors: List[str] = []
+    for e in events:
+        if isinstance(e, DeviceEvent):
+            if e.device not in known:
+                errors.append(f"{e.origin}.device: unknown device '{e.device}'{_known(names, e.device)}")
+        elif isinstance(e, PairEvent):
+            bad = [(end, n) for end, n in (("a", e.pair.a), ("b", e.pair.b)) if n not in known]
+            for end, n in bad:
+                errors.append(f"{e.origin}.pair.{end}: unknown device '{n}'{_known(names, n)}")
+            if not bad and e.pair.a == e.pair.b:
+                errors.append(f"{e.origin}.pair: a and b are the same device '{e.pair.a}' (a pair is two devices)")
+        elif isinstance(e, LinkEvent):
+            same_host = len(set(hosts)) < len(hosts)
+            if e.link == "intra_host" and not same_host:
+                errors.append(f"{e.origin}.link: no two devices of this cluster share a host, so no pair is "
+                              "intra_host")
+            if e.link == "inter_host" and len(set(hosts)) < 2:
+                errors.append(f"{e.origin}.link: every device of this cluster is on host '{hosts[0]}', so no "
+                              "pair is inter_host")
+    return errors
+
+
+def mark_start() -> None:
+    """Start the `mark` clock: the events' times count from the first call of any rank (idempotent; a no-op
+    outside `pdv emulate --events-clock mark`). A benchmark calls it when training starts, so events land at
+    the same point of training in every run, however long start-up took."""
+    path = os.environ.get(MARK_ENV)
+    if not path:
+        return
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))  # its mtime is the zero
+    except FileExistsError:
+        pass

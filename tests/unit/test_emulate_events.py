@@ -1,0 +1,406 @@
+"""Cluster weather without root: the events schema and its errors, the changes worked out from a timeline,
+the commands and cgroup writes that apply them, the event player's clocks and logs, and `pdv emulate`'s
+dry run and exit 2 on a bad event."""
+import json
+import os
+import subprocess
+import time
+
+import pytest
+import yaml
+
+from pdv_ext.config_base import ConfigError
+from pdv_ext.emulate import cgroup, cli, events, launcher, netns
+from pdv_ext.emulate.player import EventError, EventPlayer
+from pdv_ext.emulate.spec import from_cluster
+from pdv_ext.emulate.weather import Weather
+from pdv_ext.placement.cluster import Cluster
+
+CLUSTER = {
+    "devices": [{"name": "fast0", "host": "a", "throughput": 2.0}, {"name": "fast1", "host": "a", "throughput": 2.0},
+                {"name": "slow0", "host": "b", "throughput": 1.0}, {"name": "slow1", "host": "b", "throughput": 1.0}],
+    "links": {"intra_host": {"bandwidth": "800 Mbit/s", "latency": "50us"},
+              "inter_host": {"bandwidth": "80 Mbit/s", "latency": "1ms"},
+              "pairs": [{"a": "fast1", "b": "slow1", "bandwidth": "40 Mbit/s", "latency": "2ms"}]},
+}
+MBIT = 1e6 / 8  # bytes/s
+
+
+@pytest.fixture
+def spec():
+    return from_cluster(Cluster.from_dict(CLUSTER))
+
+
+def parse(*items):
+    return events.parse_events(list(items), "t.yaml")
+
+
+def errors_of(*items):
+    with pytest.raises(ConfigError) as exc:
+        parse(*items)
+    return exc.value.errors
+
+
+# ---- schema -------------------------------------------------------------------------------------------
+def test_three_kinds_with_the_cluster_yamls_units():
+    dev, pair, link = parse({"at": "40s", "device": "slow0", "throughput": 0.33},
+                            {"at": "1.5min", "pair": {"a": "fast1", "b": "slow1"}, "bandwidth": "10 Mbit/s",
+                             "latency": "5ms"},
+                            {"at": 90, "link": "inter_host", "bandwidth": "1 Gbit/s"})
+    assert (dev.kind, dev.target, dev.at, dev.throughput) == ("device", "slow0", 40.0, 0.33)
+    assert (pair.kind, pair.target, pair.at) == ("pair", "fast1<->slow1", 90.0)
+    assert pair.bandwidth == pytest.approx(10 * MBIT) and pair.latency == pytest.approx(5e-3)
+    assert (link.kind, link.target, link.bandwidth, link.latency) == ("link", "inter_host", 1e9 / 8, None)
+    assert [events.parse_time(t) for t in ("500ms", "40s", "1.5min", "2h", 7, "3")] == [0.5, 40, 90, 7200, 7, 3]
+    assert dev.origin == "t.yaml: events[0]"
+
+
+@pytest.mark.parametrize("event, words", [
+    ({"at": "40x", "device": "slow0", "throughput": 1}, "events[0].at: cannot read a time"),
+    ({"at": "soon", "device": "slow0", "throughput": 1}, "events[0].at: cannot read a time"),
+    ({"at": -1, "device": "slow0", "throughput": 1}, "events[0].at: a time must be a finite number of seconds >= 0"),
+    ({"at": 1, "device": "slow0", "throughput": 0}, "events[0].throughput: Input should be greater than 0"),
+    ({"at": 1, "device": "slow0", "throughput": -0.5}, "events[0].throughput: Input should be greater than 0"),
+    ({"at": 1, "device": "slow0", "throughput": True}, "events[0].throughput: expected a relative throughput"),
+    ({"at": 1, "device": "slow0", "thruput": 1}, "did you mean 'throughput'"),
+    ({"at": 1, "pair": {"a": "fast1", "b": "slow1"}, "bandwidth": "10 Mbps/s"}, "events[0].bandwidth: unknown bandwidth unit"),
+    ({"at": 1, "pair": {"a": "fast1", "b": "slow1"}, "bandwidth": "fast"}, "events[0].bandwidth: cannot read bandwidth"),
+    ({"at": 1, "link": "inter_host", "bandwidth": "1 Gbit/s", "latency": "2 Mbit/s"}, "events[0].latency: unknown time unit"),
+    ({"at": 1, "link": "interhost", "bandwidth": "1 Gbit/s"}, "events[0].link: Input should be 'intra_host' or 'inter_host'"),
+    ({"at": 1, "throughput": 1}, "events[0]: an event needs exactly one of 'device', 'pair' or 'link'"),
+    ({"at": 1, "device": "slow0", "link": "inter_host", "bandwidth": 1e6}, "has 'device' and 'link'"),
+    ("slow0 at 40s", "events[0]: expected a mapping"),
+])
+def test_a_bad_event_is_one_line_naming_index_key_and_value(event, words):
+    errs = errors_of(event)
+    assert len(errs) == 1 and words in errs[0] and errs[0].startswith("t.yaml: events[0]"), errs
+
+
+def test_every_bad_event_is_reported_with_its_index():
+    errs = errors_of({"at": 1, "device": "x", "throughput": 1}, {"at": "x", "device": "y", "throughput": 1},
+                     {"at": 2, "device": "z", "throughput": 0})
+    assert [e.split(":")[1].strip() for e in errs] == ["events[1].at", "events[2].throughput"]
+
+
+def test_names_are_checked_against_the_cluster(spec):
+    evs = parse({"at": 1, "device": "slow9", "throughput": 1}, {"at": 2, "pair": {"a": "fast1", "b": "slowl"},
+                                                                "bandwidth": 1e6},
+                {"at": 3, "pair": {"a": "slow0", "b": "slow0"}, "bandwidth": 1e6},
+                {"at": 4, "device": "fast0", "throughput": 1})
+    with pytest.raises(ConfigError) as exc:
+        events.check(evs, spec)
+    errs = exc.value.errors
+    assert len(errs) == 3, errs
+    assert errs[0].startswith("t.yaml: events[0].device: unknown device 'slow9'") and "did you mean 'slow1'" in errs[0]
+    assert "known devices: fast0, fast1, slow0, slow1" in errs[0]
+    assert errs[1].startswith("t.yaml: events[1].pair.b: unknown device 'slowl'")
+    assert errs[2].startswith("t.yaml: events[2].pair: a and b are the same device 'slow0'")
+
+
+def test_a_link_class_the_cluster_does_not_have_is_an_error():
+    one_host = from_cluster(Cluster.from_dict({"devices": [{"name": "x", "host": "a"}, {"name": "y", "host": "a"}]}))
+    one_each = from_cluster(Cluster.from_dict({"devices": [{"name": "x", "host": "a"}, {"name": "y", "host": "b"}]}))
+    with pytest.raises(ConfigError, match=r"events\[0\].link: every device of this cluster is on host 'a'"):
+        events.check(parse({"at": 1, "link": "inter_host", "bandwidth": 1e6}), one_host)
+    with pytest.raises(ConfigError, match=r"events\[0\].link: no two devices of this cluster share a host"):
+        events.check(parse({"at": 1, "link": "intra_host", "bandwidth": 1e6}), one_each)
+
+
+def test_both_sources_are_merged_and_sorted(tmp_path, spec):
+    scenario = tmp_path / "scenario.yaml"
+    scenario.write_text(yaml.safe_dump({"ranks": 4, "steps": 100, "events": [
+        {"at": "30s", "link": "inter_host", "bandwidth": "10 Mbit/s"},
+        {"at": "10s", "device": "fast0", "throughput": 1}]}))
+    listed = tmp_path / "list.json"
+    listed.write_text(json.dumps([{"at": 20, "device": "slow1", "throughput": 0.5}]))
+    cluster_events = [{"at": "20s", "device": "slow0", "throughput": 0.5}, {"at": 5, "device": "slow0", "throughput": 1}]
+    tl = events.load_timeline(cluster_events, "c.yaml", str(scenario), spec)
+    assert [(e.at, e.target) for e in tl] == [(5, "slow0"), (10, "fast0"), (20, "slow0"), (30, "inter_host")]
+    assert tl[1].origin == f"{scenario}: events[1]"
+    assert [e.target for e in events.load_timeline(cluster_events, "c.yaml", str(listed))] == ["slow0", "slow0", "slow1"]
+    assert events.load_timeline(None, "c.yaml") == []
+
+
+def test_events_file_errors_name_the_file(tmp_path, spec):
+    other = tmp_path / "scenario.yaml"
+    other.write_text("ranks: 4\n")
+    with pytest.raises(ConfigError, match="no 'events' key"):
+        events.load_timeline(None, "c.yaml", str(other))
+    with pytest.raises(ConfigError, match="cannot read events file"):
+        events.load_timeline(None, "c.yaml", str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("events:\n  - {at: 1, device: nope, throughput: 1}\n")
+    with pytest.raises(ConfigError) as exc:  # both sources' problems at once
+        events.load_timeline([{"at": 1, "device": "slow0", "throughput": -1}], "c.yaml", str(bad), spec)
+    assert [e.split(": events")[0] for e in exc.value.errors] == ["c.yaml", str(bad)]
+
+
+def test_the_placement_loader_accepts_and_ignores_events(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**CLUSTER, "events": [{"at": "40s", "device": "slow0", "throughput": 0.33}]}))
+    cluster = Cluster.load(str(path))
+    assert len(cluster) == 4 and cluster.link(1, 3).bandwidth == pytest.approx(40 * MBIT)
+    assert cluster.spec.events == [{"at": "40s", "device": "slow0", "throughput": 0.33}]
+    assert "events" not in Cluster.from_dict(CLUSTER).to_dict()  # a cluster without them saves without them
+
+
+# ---- what each event changes ------------------------------------------------------------------------------
+def test_device_quota_scales_with_the_start_quota(spec):
+    cores = [0.5, 0.5, 0.25, 0.25]
+    plan = Weather(spec, cores).plan(parse({"at": 40, "device": "slow0", "throughput": 0.33},
+                                           {"at": 60, "device": "fast1", "throughput": 1.0},
+                                           {"at": 120, "device": "slow0", "throughput": 1.0}))
+    assert plan[0].cores == (2, pytest.approx(0.25 * 0.33))
+    assert plan[0].before == {"throughput": 1.0, "cores": 0.25}
+    assert plan[0].after == {"throughput": 0.33, "cores": pytest.approx(0.0825)}
+    assert plan[0].text == "device slow0 throughput 1 -> 0.33 (0.250 -> 0.083 cores)"
+    assert plan[1].cores == (1, pytest.approx(0.25))  # a fast device at half its start throughput
+    assert plan[2].before["throughput"] == 0.33 and plan[2].cores == (2, pytest.approx(0.25))
+    assert not plan[0].rates and not plan[0].uplinks
+
+
+def test_pair_sets_both_directions_and_the_uplinks_follow(spec):
+    plan = Weather(spec, [0.5] * 4).plan(parse(
+        {"at": 1, "pair": {"a": "fast1", "b": "slow1"}, "bandwidth": "10 Mbit/s", "latency": "5ms"},
+        {"at": 2, "pair": {"a": "fast0", "b": "slow0"}, "bandwidth": "200 Mbit/s"}))
+    lower, higher = plan
+    assert sorted(lower.rates) == [(1, 3, 10 * MBIT), (3, 1, 10 * MBIT)]
+    assert sorted(lower.delays) == [(1, 3, 5e-3), (3, 1, 5e-3)]
+    assert lower.before == {"bandwidth": pytest.approx(40 * MBIT), "latency": pytest.approx(2e-3)}
+    assert lower.after == {"bandwidth": pytest.approx(10 * MBIT), "latency": pytest.approx(5e-3)}
+    assert lower.uplinks == []  # the other inter-host pairs still run at 80 Mbit/s: the uplinks stay
+    assert "pair fast1<->slow1 bandwidth 40.0 -> 10.0 Mbit/s, latency 2 -> 5 ms" == lower.text
+    assert higher.delays == [] and higher.after["latency"] == pytest.approx(1e-3)  # latency unchanged
+    assert sorted(higher.uplinks) == [(0, 1, 200 * MBIT), (1, 0, 200 * MBIT)]  # the fastest pair sets them
+
+
+def test_link_class_sets_every_pair_of_the_class_and_the_uplinks(spec):
+    w = Weather(spec, [0.5] * 4)
+    (inter,) = w.plan(parse({"at": 1, "link": "inter_host", "bandwidth": "20 Mbit/s", "latency": "3ms"}))
+    pairs = {(i, j) for i, j, _ in inter.rates}
+    assert pairs == {(i, j) for i in range(4) for j in range(4) if (i < 2) != (j < 2)}  # override pair included
+    assert all(bw == 20 * MBIT for _, _, bw in inter.rates) and len(inter.delays) == 8
+    assert sorted(inter.uplinks) == [(0, 1, 20 * MBIT), (1, 0, 20 * MBIT)]
+    assert inter.before == {"bandwidth": pytest.approx(80 * MBIT), "latency": pytest.approx(1e-3),
+                            "pairs": {"fast1<->slow1": {"bandwidth": pytest.approx(40 * MBIT),
+                                                        "latency": pytest.approx(2e-3)}}}
+    assert inter.text == ("link inter_host bandwidth 80.0 -> 20.0 Mbit/s, latency 1 -> 3 ms (4 pairs, 2 host uplinks); "
+                          "before it fast1<->slow1 was at 40.0 Mbit/s, 2 ms")
+    (intra,) = w.plan(parse({"at": 1, "link": "intra_host", "bandwidth": "100 Mbit/s"}))
+    assert sorted((i, j) for i, j, _ in intra.rates) == [(0, 1), (1, 0), (2, 3), (3, 2)] and not intra.uplinks
+
+
+def test_values_the_kernel_cannot_hold_are_errors_before_the_run(spec):
+    with pytest.raises(ConfigError) as exc:
+        Weather(spec, [0.5, 0.5, 0.25, 0.25]).plan(parse({"at": 1, "device": "slow0", "throughput": 0.001},
+                                                         {"at": 2, "pair": {"a": "fast0", "b": "slow0"},
+                                                          "bandwidth": "100 bit/s"}))
+    errs = exc.value.errors
+    assert "events[0].throughput: 0.001 gives slow0 0.000250 cores" in errs[0] and "smallest CPU quota" in errs[0]
+    assert "events[1].bandwidth: 100 bit/s is below" in errs[1]
+
+
+# ---- applying: cgroup writes and tc commands ---------------------------------------------------------
+@pytest.mark.parametrize("version", [1, 2])
+def test_set_cores_writes_a_valid_quota_and_follows_with_the_weights(tmp_path, monkeypatch, version):
+    groups = cgroup.CpuGroups("pdv-abc123", [0.5, 0.5, 0.25], detected=(version, str(tmp_path)))
+    groups.create()
+    writes = []
+    real = cgroup._write
+    monkeypatch.setattr(cgroup, "_write", lambda path, text: (writes.append((os.path.relpath(path, groups.parent),
+                                                                             text)), real(path, text)))
+    groups.set_cores(2, 0.025)  # a tenth of the start: below 0.1 core the period grows past 10 ms
+    if version == 1:
+        assert writes[:2] == [("d2/cpu.cfs_quota_us", "1000"), ("d2/cpu.cfs_period_us", "40000")]  # quota first
+        assert ("d2/cpu.shares", str(int(262144 * 0.025 / 0.5))) in writes
+    else:
+        assert writes[:2] == [("d2/cpu.max", "1000 40000"), ("d2/cpu.weight", str(int(10000 * 0.025 / 0.5)))]
+    writes.clear()
+    groups.set_cores(2, 1.0)  # now the fastest: every weight follows
+    if version == 1:
+        assert writes[:2] == [("d2/cpu.cfs_period_us", "2000"), ("d2/cpu.cfs_quota_us", "2000")]  # period first
+        assert {w for w in writes[2:]} == {("d0/cpu.shares", "131072"), ("d1/cpu.shares", "131072"),
+                                           ("d2/cpu.shares", "262144")}
+    else:
+        assert writes[0] == ("d2/cpu.max", "2000 2000")
+    assert groups.cores == [0.5, 0.5, 1.0]
+    with pytest.raises(cgroup.CgroupError, match="below the smallest CPU quota"):
+        groups.set_cores(0, 0.0001)
+
+
+def test_live_rate_and_delay_changes_stay_in_the_runs_namespaces(spec, monkeypatch):
+    calls = []
+
+    class Done:
+        returncode, stdout, stderr = 0, "", ""
+
+    monkeypatch.setattr(netns, "run", lambda *args, check=True: calls.append(args) or Done())
+    net = netns.Network(spec, "pdv-abc123", netem=False)
+    net.set_rate(1, 3, 10 * MBIT)
+    net.set_uplink_rate(0, 1, 20 * MBIT)
+    assert not net.set_delay(1, 3, 5e-3)  # no sch_netem: nothing to change
+    assert calls[0][:12] == ("tc", "-n", "pdv-abc123-d1", "class", "change", "dev", "eth0", "parent", "1:",
+                             "classid", "1:13", "htb")
+    assert calls[0][calls[0].index("rate") + 1] == calls[0][calls[0].index("ceil") + 1] == "10000000bit"
+    assert calls[1][:11] == ("tc", "-n", "pdv-abc123-h0", "class", "change", "dev", "up0", "parent", "1:",
+                             "classid", "1:11")
+    assert calls[1][calls[1].index("rate") + 1] == "20000000bit" and len(calls) == 2
+    net = netns.Network(spec, "pdv-abc123", netem=True)
+    assert net.set_delay(3, 1, 5e-3) and net.set_delay(3, 0, 0.0)
+    assert calls[2] == ("tc", "-n", "pdv-abc123-d3", "qdisc", "replace", "dev", "eth0", "parent", "1:11", "netem",
+                        "delay", "5000us", "limit", "100000")
+    assert calls[3][:10] == ("tc", "-n", "pdv-abc123-d3", "qdisc", "replace", "dev", "eth0", "parent", "1:10",
+                             "pfifo")
+
+
+# ---- the player --------------------------------------------------------------------------------------
+def _wait_for(cond, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_player_applies_in_order_logs_each_and_reports_what_the_run_cut_short(spec, tmp_path):
+    plan = Weather(spec, [0.5] * 4).plan(parse({"at": 0.05, "device": "slow0", "throughput": 0.5},
+                                               {"at": 0.1, "pair": {"a": "fast0", "b": "slow0"}, "bandwidth": 1e6},
+                                               {"at": 3600, "device": "slow0", "throughput": 1}))
+    applied, lines, path = [], [], tmp_path / "events.jsonl"
+    player = EventPlayer(plan, lambda c: applied.append(c.index) or [], "launch", None, str(path), lines.append)
+    player.start(time.monotonic())
+    _wait_for(lambda: len(applied) == 2)
+    player.stop()
+    player.stop()  # twice is harmless
+    assert applied == [0, 1] == player.applied
+    log = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["index"], r["kind"], r["target"], r["applied"]) for r in log] == [
+        (0, "device", "slow0", True), (1, "pair", "fast0<->slow0", True), (2, "device", "slow0", False)]
+    assert set(log[0]) == {"index", "at", "applied_at", "wall", "kind", "target", "before", "after", "applied"}
+    assert log[0]["applied_at"] >= 0.05 - 0.01 and log[1]["applied_at"] >= 0.1 - 0.01  # never early
+    assert abs(log[0]["wall"] - time.time()) < 60 and log[0]["before"] == {"throughput": 1.0, "cores": 0.5}
+    assert log[2]["applied_at"] is None and log[2]["reason"] == "the run ended first"
+    assert lines[0].startswith("event 0 at +0.") and "(wall 20" in lines[0]
+    assert lines[0].endswith("Z): device slow0 throughput 1 -> 0.5 (0.500 -> 0.250 cores)")
+    assert lines[2] == ("event 2 at +3600.0s not applied (the run ended first): device slow0 throughput 0.5 -> 1 "
+                        "(0.250 -> 0.500 cores)")
+
+
+def test_mark_clock_starts_when_a_rank_marks(spec, tmp_path, monkeypatch):
+    plan = Weather(spec, [0.5] * 4).plan(parse({"at": 0, "device": "slow0", "throughput": 0.5}))
+    mark = tmp_path / "mark"
+    applied, lines = [], []
+    player = EventPlayer(plan, lambda c: applied.append(c.index) or [], "mark", str(mark), None, lines.append)
+    player.start(time.monotonic())
+    time.sleep(0.2)
+    assert applied == [] and player.zero is None  # nothing before the mark, however long start-up takes
+    monkeypatch.setenv(events.MARK_ENV, str(mark))
+    events.mark_start()
+    events.mark_start()  # idempotent
+    _wait_for(lambda: applied == [0])
+    player.stop()
+    assert lines[0].startswith("timeline started by a rank's mark_start()")
+
+
+def test_mark_never_reached_is_reported(spec):
+    plan = Weather(spec, [0.5] * 4).plan(parse({"at": 0, "device": "slow0", "throughput": 0.5}))
+    lines = []
+    player = EventPlayer(plan, lambda c: [], "mark", "/nonexistent/mark", None, lines.append)
+    player.start(time.monotonic())
+    player.stop()
+    assert lines == ["event 0 at +0.0s not applied (the run ended before any rank called mark_start()): device "
+                     "slow0 throughput 1 -> 0.5 (0.500 -> 0.250 cores)"]
+
+
+def test_mark_start_is_a_noop_outside_the_emulator(monkeypatch, tmp_path):
+    monkeypatch.delenv(events.MARK_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    events.mark_start()
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_event_that_fails_stops_the_run_with_a_clear_message(spec, tmp_path, monkeypatch):
+    """The player reports the failure, the launcher stops the ranks and raises EventError naming the event."""
+    log = tmp_path / "events.jsonl"
+    em = launcher.Emulation(spec, ["true"], events=parse({"at": 0.05, "device": "slow0", "throughput": 0.5},
+                                                         {"at": 0.1, "device": "slow0", "throughput": 1}),
+                            events_log=str(log), log=lambda m: None)
+
+    def boom(change):
+        raise OSError("cgroup gone")
+
+    def setup():
+        em.player = EventPlayer(em.changes, boom, "launch", None, str(log), log=lambda m: None)
+
+    def launch():  # a rank that would run for a minute
+        em.procs.append(subprocess.Popen(["sleep", "60"], start_new_session=True))
+        em.player.start(time.monotonic())
+
+    monkeypatch.setattr(em, "setup", setup)
+    monkeypatch.setattr(em, "launch", launch)
+    monkeypatch.setattr(netns.Network, "destroy", lambda self: None)  # nothing was created
+    t0 = time.monotonic()
+    with pytest.raises(EventError, match=r"event 0 \(t.yaml: events\[0\]: device slow0 throughput 1 -> 0.5 .*\) "
+                                         r"failed: cgroup gone"):
+        em.run()
+    assert time.monotonic() - t0 < 30 and em.procs[0].poll() is not None  # the rank was stopped
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["applied"], r["reason"]) for r in rows] == [(False, "failed: cgroup gone"),
+                                                          (False, "an earlier event failed")]
+
+
+# ---- the command --------------------------------------------------------------------------------------
+@pytest.fixture
+def cluster_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**CLUSTER, "events": [{"at": "40s", "device": "slow0", "throughput": 0.33}]}))
+    return str(path)
+
+
+def test_dry_run_prints_the_resolved_timeline(cluster_file, tmp_path, capsys):
+    more = tmp_path / "ev.yaml"
+    more.write_text("- {at: 60s, pair: {a: fast1, b: slow1}, bandwidth: 10 Mbit/s}\n"
+                    "- {at: 2min, device: slow0, throughput: 1.0}\n")
+    assert cli.main(["--cluster", cluster_file, "--events", str(more), "--dry-run", "--top-share", "0.5"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-4:] == ["timeline: 3 events, from when the ranks start",
+                        "event 0 at +40.0s: device slow0 throughput 1 -> 0.33 (0.250 -> 0.083 cores)",
+                        "event 1 at +60.0s: pair fast1<->slow1 bandwidth 40.0 -> 10.0 Mbit/s",
+                        "event 2 at +120.0s: device slow0 throughput 0.33 -> 1 (0.083 -> 0.250 cores)"]
+    assert cli.main(["--cluster", cluster_file, "--dry-run", "--events-clock", "mark"]) == 0
+    assert "from when a rank first calls mark_start()" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("event, words", [
+    ({"at": 1, "device": "slow9", "throughput": 1}, "events[0].device: unknown device 'slow9'"),
+    ({"at": 1, "pair": {"a": "fast1", "b": "fast7"}, "bandwidth": "1 Mbit/s"}, "events[0].pair.b: unknown device 'fast7'"),
+    ({"at": 1, "device": "slow0", "throughput": 0}, "events[0].throughput: Input should be greater than 0"),
+    ({"at": "tomorrow", "device": "slow0", "throughput": 1}, "events[0].at: cannot read a time"),
+    ({"at": 1, "link": "inter_host", "bandwidth": "lots"}, "events[0].bandwidth: cannot read bandwidth"),
+])
+def test_bad_event_is_exit_2_before_anything_starts(event, words, cluster_file, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(launcher, "check_available", lambda: pytest.fail("emulation checked"))
+    monkeypatch.setattr(launcher.Emulation, "run", lambda self: pytest.fail("emulation started"))
+    path = tmp_path / "ev.yaml"
+    path.write_text(yaml.safe_dump({"events": [event]}))
+    assert cli.main(["--cluster", cluster_file, "--events", str(path), "--", "true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"pdv emulate: {path}: ") and words in err[0], err
+
+
+def test_events_log_directory_must_exist(cluster_file, monkeypatch, capsys):
+    monkeypatch.setattr(launcher.Emulation, "run", lambda self: pytest.fail("emulation started"))
+    assert cli.main(["--cluster", cluster_file, "--events-log", "/nonexistent/dir/e.jsonl", "--", "true"]) == 2
+    assert "events log /nonexistent/dir/e.jsonl: directory /nonexistent/dir does not exist" in capsys.readouterr().err
+
+
+def test_cleanup_removes_mark_folders_of_killed_runs(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(netns, "stale_namespaces", lambda: [])
+    monkeypatch.setattr(cgroup, "stale", lambda prefix="pdv-": [])
+    (tmp_path / "pdv-abc123-mark-x1y2").mkdir()  # what a kill -9 leaves behind with --events-clock mark
+    (tmp_path / "pdv-ranks-keep").mkdir()  # not a run's
+    assert launcher.cleanup_stale(log=lambda m: None) == 1
+    assert os.listdir(tmp_path) == ["pdv-ranks-keep"]
+
