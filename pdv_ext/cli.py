@@ -19,7 +19,7 @@ COMMANDS = {
     "plot": ("pdv_ext.plot:main", "plot metrics (pdv plot metrics runs/X/metrics.csv --out m.png)"),
 }
 
-BENCHES = ["engine", "aggregate", "kernels", "byzantine", "convergence", "planner", "adaptive", "placement",
+BENCHES = ["engine", "aggregate", "kernels", "byzantine", "convergence", "planner", "adaptive", "adapt", "placement",
            "init-search", "profile"]
 
 

@@ -1,4 +1,6 @@
 """`pdv plot metrics runs/X/metrics.csv --out metrics.png`: loss, batch size, GNS and step time over steps.
+`pdv plot adapt build/bench-adapt/<scenario>.json --out adapt.png`: samples/s over time of the static,
+adaptive and oracle runs of `pdv bench adapt`, with the events marked.
 
 Reads the Monitor's CSV (any CSV with a `step` column works); panels whose columns are absent or empty
 are skipped, so the same command plots a plain loss log or a full adaptive run.
@@ -8,7 +10,7 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 #: (title, columns drawn in the panel, log scale)
 PANELS: Sequence[Tuple[str, Sequence[str], bool]] = (
@@ -87,6 +89,83 @@ def plot_metrics(csv_path: str, out: str, title: Optional[str] = None) -> List[s
     return [p[0] for p in panels]
 
 
+#: colours of the three runs of `pdv bench adapt`
+RUN_STYLE = {"static": ("tab:gray", "static (equal shares)"), "adaptive": ("tab:blue", "adaptive"),
+             "oracle": ("tab:green", "oracle (best static shares in hindsight)")}
+
+
+def _event_label(e: Dict[str, Any]) -> str:
+    if "device" in e:
+        return f"{e['device']} x{e['throughput']:g}"
+    what = e.get("link") or (f"{e['pair']['a']}-{e['pair']['b']}" if "pair" in e else "event")
+    return f"{what} {e.get('bandwidth', 0) * 8 / 1e6:g} Mbit/s"
+
+
+def plot_adapt(result_path: str, out: str, smooth: int = 3) -> List[str]:
+    """samples/s over training time for the static, adaptive and oracle runs of `pdv bench adapt` (a rolling
+    mean over `smooth` steps), the events as vertical lines (when each run met them: the same offset from
+    its start, up to the emulator's polling), and the adaptive run's share changes as markers. Returns the
+    runs drawn."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(result_path, encoding="utf-8") as f:
+        res = json.load(f)
+    series = res.get("series") or {}
+    if not series:
+        raise ValueError(f"{result_path}: no per-step series (expected the JSON `pdv bench adapt` writes)")
+    fig, ax = plt.subplots(figsize=(10, 4.8))
+    drawn = []
+    for kind in ("static", "oracle", "adaptive"):
+        run = series.get(kind)
+        if not run:
+            continue
+        colour, label = RUN_STYLE[kind]
+        t = [end - run["start"] for end in run["ends"]]
+        rate = [run["global_batch"] / d for d in run["durations"]]
+        k = max(1, int(smooth))
+        smoothed = [sum(rate[max(0, i - k + 1): i + 1]) / len(rate[max(0, i - k + 1): i + 1]) for i in range(len(rate))]
+        wall = res.get(kind, {}).get("wall_seconds")
+        ax.plot(t, smoothed, color=colour, lw=1.6,
+                label=f"{label}: {wall:.0f} s" if isinstance(wall, (int, float)) else label)
+        drawn.append(kind)
+        if kind == "adaptive":
+            for d in run.get("decisions", []):
+                i = min(max(int(d["step"]) - 1, 0), len(t) - 1)
+                ax.plot(t[i], smoothed[i], marker="v", color=colour, ms=8)
+                shares = d.get("shares")
+                ax.annotate("equal" if not shares else "/".join(map(str, shares)), (t[i], smoothed[i]),
+                            textcoords="offset points", xytext=(4, 8), fontsize=8, color=colour)
+    run0 = series.get("static") or next(iter(series.values()))
+    for e in run0.get("events_log", []):
+        if e.get("applied") and e.get("wall") is not None:
+            x = e["wall"] - run0["start"]
+            ax.axvline(x, color="tab:red", ls="--", lw=1)
+            ax.text(x, ax.get_ylim()[1], " " + _event_label(res["events"][e["index"]]) if e.get("index") is not None
+                    and e["index"] < len(res.get("events", [])) else " event", color="tab:red", va="top", fontsize=9)
+    ratio = res.get("adaptive_vs_static")
+    title = f"pdv bench adapt: {res.get('scenario', '')}"
+    if isinstance(ratio, (int, float)):
+        title += f" (adaptive / static wall time {ratio:.2f}"
+        if isinstance(res.get("adaptive_vs_oracle"), (int, float)):
+            title += f", / oracle {res['adaptive_vs_oracle']:.2f}"
+        title += ")"
+    ax.set_title(title)
+    ax.set_xlabel("seconds since training started")
+    ax.set_ylabel(f"samples/s (mean of {max(1, int(smooth))} steps)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower left", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return drawn
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="pdv plot", description=__doc__)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -94,13 +173,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     m.add_argument("csv")
     m.add_argument("--out", default=None, help="PNG path (default: next to the CSV, metrics.png)")
     m.add_argument("--title", default=None)
+    ad = sub.add_parser("adapt", help="plot samples/s over time of a `pdv bench adapt` result")
+    ad.add_argument("result", help="the JSON `pdv bench adapt` wrote (build/bench-adapt/<scenario>.json)")
+    ad.add_argument("--out", default=None, help="PNG path (default: next to the JSON, <scenario>.png)")
+    ad.add_argument("--smooth", type=int, default=3, help="rolling mean over this many steps")
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
     import os
 
-    out = a.out or os.path.join(os.path.dirname(os.path.abspath(a.csv)), "metrics.png")
     try:
-        drawn = plot_metrics(a.csv, out, a.title)
-    except (OSError, ValueError) as exc:
+        if a.what == "adapt":
+            out = a.out or os.path.splitext(os.path.abspath(a.result))[0] + ".png"
+            drawn = plot_adapt(a.result, out, a.smooth)
+        else:
+            out = a.out or os.path.join(os.path.dirname(os.path.abspath(a.csv)), "metrics.png")
+            drawn = plot_metrics(a.csv, out, a.title)
+    except (OSError, ValueError, KeyError) as exc:
         print(f"pdv plot: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {out} ({', '.join(drawn)})")

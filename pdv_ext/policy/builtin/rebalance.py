@@ -6,7 +6,7 @@ time (forward + backward) and each replica's current share, the policy estimates
 micro-batch (its slowest stage's), smooths it (`ema`), and computes the split of the step's micro-batches
 that makes the replicas finish together (`pdv_ext.policy.shares.best_shares`). It changes the shares only
 when the predicted step time drops by at least `threshold` (default 5%) on `patience` agreement steps in a
-row, so noise does not churn them; when the slowdown ends, the equal split wins the same way and the
+row (the split of the last of them is taken), so noise does not churn them; when the slowdown ends, the equal split wins the same way and the
 shares go back. The global batch, and so the gradient, stay the same (the aggregator weighs the replicas
 by their samples): only the wall time changes.
 
@@ -32,7 +32,7 @@ class Rebalance(Policy):
         #: agreement steps in a row that must predict that gain before the shares change
         patience: int = Field(2, ge=1)
         #: weight of the past in the smoothed time per micro-batch (0: the last agreement step only)
-        ema: float = Field(0.5, ge=0.0, lt=1.0)
+        ema: float = Field(0.3, ge=0.0, lt=1.0)
         #: agreement steps to ignore at the start (allocator, caches and JIT warming up)
         warmup_steps: int = Field(2, ge=0)
         #: fewest micro-batches a replica keeps (a replica with none would leave its devices idle)
@@ -84,7 +84,9 @@ class Rebalance(Policy):
         if best == shares or gain < self.options.threshold:
             self.streak, self.wanted = 0, None
             return []
-        self.streak = self.streak + 1 if best == self.wanted else 1
+        # the streak counts agreement steps on which *a* change pays: while the smoothed times catch up with
+        # a slowdown the best split may still move by a micro-batch, the latest one is taken
+        self.streak += 1
         self.wanted = best
         if self.streak < self.options.patience:
             return []

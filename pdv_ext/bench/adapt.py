@@ -1,0 +1,398 @@
+"""`pdv bench adapt --scenario FILE --json`: what adapting to a changing cluster buys, on the emulated cluster.
+
+A scenario file holds a cluster (a path, relative to the file, or inline `devices:`/`links:`), the run's shape
+(`run:`: pipeline and data-parallel degrees, model, micro-batches, steps, the adaptive run's policies) and a
+timeline of events (`events:`, the schema of `pdv emulate --events`; times count from the start of training,
+the first timed step, so every run meets the events at the same point of its training, whatever its start-up
+took). In one job the same model (same seed, data, global batch and number of samples) is trained three
+times on the emulated cluster, each a fresh set of ranks under `pdv emulate` with the same timeline:
+
+- *static*: equal data shares, the start-up plan, no policy: leaving things alone;
+- *adaptive*: the scenario's policies (default: `rebalance`, agreeing every 2 steps);
+- *oracle*: the best static data shares for the cluster after the last event, known in hindsight (the split
+  `rebalance` would pick for those speeds, from the start); when that is the equal split the oracle is the
+  static run (`oracle_is_static`) and is not run twice.
+
+For each run: wall time of the training steps (to the fixed number of samples), held-out loss at the end, the
+samples/s of every phase between events (from the per-step wall times and the events' applied times in the
+emulator's log), and for the adaptive run the steps from each event to its first adaptation (in steps and in
+policy agreement steps). Ratios `adaptive_vs_static` and `adaptive_vs_oracle` (wall times). Everything of
+the job, per-step series included, goes to `build/bench-adapt/<scenario>.json`; `pdv plot adapt` draws its
+samples/s over time with the events marked. Needs root (the emulated cluster); exits 2 with the reason
+otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+from pydantic import Field, ValidationError
+
+from ..config_base import ConfigError, StrictModel, format_errors
+from .common import emit, log, parser
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ARTIFACTS = os.path.join(ROOT, "build", "bench-adapt")
+DEFAULT_POLICY = {"every": 2, "plugins": [{"name": "rebalance"}]}
+
+
+class ModelShape(StrictModel):
+    """The demo's byte-level GPT (pdv_ext.models.gpt_layers)."""
+
+    layers: int = Field(4, ge=1)
+    hidden: int = Field(128, ge=4)
+    heads: int = Field(4, ge=1)
+    seq_len: int = Field(64, ge=2)
+
+
+class RunShape(StrictModel):
+    """`run:` of a scenario file."""
+
+    pipe: int = Field(1, ge=1)
+    data: int = Field(ge=1)
+    steps: int = Field(ge=1)
+    micro_batch: int = Field(8, ge=1)
+    #: micro-batches per replica and step with equal shares (the global batch: micro_batches x data)
+    micro_batches: int = Field(4, ge=1)
+    model: ModelShape = ModelShape()
+    lr: float = Field(2e-3, gt=0)
+    seed: int = 1234
+    #: held-out windows evaluated at the end
+    held_out: int = Field(256, ge=1)
+    #: untimed steps before training starts (and the event clock with it): allocator, caches, gloo warm
+    warmup_steps: int = Field(2, ge=0)
+    #: `pdv.policy` of the adaptive run
+    policy: Dict[str, Any] = Field(default_factory=lambda: json.loads(json.dumps(DEFAULT_POLICY)))
+    #: seconds each emulated run may take
+    timeout: float = Field(1800.0, gt=0)
+
+
+class Scenario(StrictModel):
+    cluster: Any
+    run: RunShape
+    events: List[Any] = []
+
+
+def load_scenario(path: str):
+    """(Scenario, Cluster, cluster path, EmuSpec, timeline); ConfigError with one line per problem."""
+    import yaml
+
+    from ..emulate.events import load_timeline
+    from ..emulate.spec import from_cluster
+    from ..placement.cluster import Cluster
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read ({exc.strerror})"]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: expected a mapping with cluster:, run: and events:"])
+    try:
+        sc = Scenario.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError([f"{path}: {line}" for line in format_errors(exc, Scenario, "")]) from None
+    if isinstance(sc.cluster, str):
+        cluster_path = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), sc.cluster))
+        cluster = Cluster.load(cluster_path)
+    elif isinstance(sc.cluster, dict):
+        cluster_path = path
+        cluster = Cluster.from_dict(sc.cluster, source=f"{path}: cluster")
+    else:
+        raise ConfigError([f"{path}: cluster: a cluster YAML path (relative to the scenario) or a mapping"])
+    run = sc.run
+    if run.pipe * run.data != len(cluster):
+        raise ConfigError([f"{path}: run: pipe x data = {run.pipe * run.data} ranks, but the cluster has "
+                           f"{len(cluster)} devices (one rank per device)"])
+    if run.model.hidden % run.model.heads:
+        raise ConfigError([f"{path}: run.model.hidden: {run.model.hidden} is not a multiple of heads "
+                           f"({run.model.heads})"])
+    from ..config import validate_pdv
+
+    _, errors = validate_pdv({"policy": run.policy}, prefix="run")
+    if errors:
+        raise ConfigError([f"{path}: {e}" for e in errors])
+    spec = from_cluster(cluster)
+    events = load_timeline(cluster.spec.events, cluster_path, path, spec)
+    return sc, cluster, cluster_path, spec, events
+
+
+# ---------------------------------------------------------------------------------------------------
+# what the oracle knows: the devices' speeds after the last event
+# ---------------------------------------------------------------------------------------------------
+def final_throughputs(cluster, events) -> List[float]:
+    """Each device's throughput once every event has happened."""
+    from ..emulate.events import DeviceEvent
+
+    speeds = [float(d.throughput) for d in cluster.devices]
+    names = [d.name for d in cluster.devices]
+    for e in events:
+        if isinstance(e, DeviceEvent):
+            speeds[names.index(e.device)] = float(e.throughput)
+    return speeds
+
+
+def replica_ranks(pipe: int, data: int) -> List[List[int]]:
+    """Ranks of each data-parallel replica under DeepSpeed's row-major placement (stage s: ranks s*D..)."""
+    return [[s * data + d for s in range(pipe)] for d in range(data)]
+
+
+def oracle_shares(cluster, events, run: RunShape) -> Optional[List[int]]:
+    """The best static split for the cluster after the last event (None: the equal split)."""
+    from ..policy.shares import shares_by_throughput
+
+    speeds = final_throughputs(cluster, events)
+    thr = [min(speeds[r] for r in ranks) for ranks in replica_ranks(run.pipe, run.data)]
+    shares = shares_by_throughput(thr, run.micro_batches * run.data, run.pipe)
+    return None if len(set(shares)) == 1 else shares
+
+
+# ---------------------------------------------------------------------------------------------------
+# rank side (python -m pdv_ext.bench.adapt --rank ARGS.json, one process per emulated device)
+# ---------------------------------------------------------------------------------------------------
+def rank_main(args: Dict[str, Any]) -> int:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.pipe import PipelineModule
+
+    import pdv_ext
+    from ..emulate.events import mark_start
+    from ..models import ByteWindows, TextWindows, gpt_layers, lm_loss, seed_layer, text_splits
+    from ..policy.data import ElasticBatches
+
+    run = RunShape.model_validate(args["run"])
+    m = run.model
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(run.seed)
+    model = PipelineModule(layers=gpt_layers(m.layers, m.hidden, m.heads, m.seq_len), num_stages=run.pipe,
+                           loss_fn=lm_loss, seed_layers=True, seed_fn=seed_layer, base_seed=run.seed,
+                           partition_method="parameters")
+    pdv: Dict[str, Any] = {"aggregation": {"type": "mean"}}
+    if args.get("shares"):
+        pdv["data_shares"] = list(args["shares"])
+    if args.get("policy"):
+        pdv["policy"] = args["policy"]
+    cfg = {"train_micro_batch_size_per_gpu": run.micro_batch, "gradient_accumulation_steps": run.micro_batches,
+           "train_batch_size": run.micro_batch * run.micro_batches * run.data,
+           "optimizer": {"type": "Adam", "params": {"lr": run.lr, "torch_adam": True}},
+           "steps_per_print": 10 ** 9, "pdv": pdv}
+    engine, _, _, _ = pdv_ext.initialize(model=model, config=cfg,
+                                         model_parameters=(p for p in model.parameters() if p.requires_grad))
+    train_text, held_text = text_splits()
+    data = ElasticBatches.for_engine(engine, TextWindows(train_text, m.seq_len), seed=run.seed)
+    rank0 = dist.get_rank() == 0
+    for _ in range(run.warmup_steps):
+        engine.train_batch(data_iter=data)
+    dist.barrier()
+    if rank0:
+        mark_start()  # the events' clock starts with the first timed step
+    start = time.time()
+    ends, durations, shares = [], [], []
+    for _ in range(run.steps):
+        t0 = time.perf_counter()
+        engine.train_batch(data_iter=data)
+        durations.append(time.perf_counter() - t0)
+        ends.append(time.time())
+        shares.append(list(engine.data_shares) if engine.data_shares is not None else None)
+    train_s = time.time() - start
+    # held-out loss: the same fixed windows for every run (each replica evaluates them; they agree)
+    xs, ys = ByteWindows(held_text, m.seq_len, 1, seed=999).batch(0, run.held_out)
+    mbs = run.micro_batch
+    batches = [(xs[i:i + mbs], ys[i:i + mbs]) for i in range(0, len(xs) - mbs + 1, mbs)]
+    held = float(engine.eval_batch(data_iter=iter(batches), num_micro_batches=len(batches)))
+    glue = engine.pdv_policy
+    decisions: List[Dict[str, Any]] = []
+    if glue is not None and glue.runner is not None:
+        for step, action in glue.runner.action_log:
+            if action.get("action") == "SetDataShares":
+                decisions.append({"step": int(step) - run.warmup_steps, "shares": action.get("shares"),
+                                  "source": action.get("source")})
+    if rank0:
+        out = {"start": start, "ends": ends, "durations": durations, "shares": shares, "train_seconds": train_s,
+               "held_out_loss": held, "decisions": decisions, "global_batch": int(engine.train_batch_size()),
+               "samples": int(engine.train_batch_size()) * run.steps}
+        with open(args["out"], "w", encoding="utf-8") as f:
+            json.dump(out, f)
+    dist.barrier()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# parent side: three emulated runs, then the figures
+# ---------------------------------------------------------------------------------------------------
+def read_events_log(path: str) -> List[Dict[str, Any]]:
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def phases(result: Dict[str, Any], applied: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Samples/s of each stretch between events (steps are assigned to the stretch they ended in)."""
+    bounds = [e["wall"] for e in applied if e.get("applied") and e.get("wall") is not None]
+    batch = result["global_batch"]
+    out = []
+    edges = [-math.inf] + bounds + [math.inf]
+    for k in range(len(edges) - 1):
+        idx = [i for i, t in enumerate(result["ends"]) if edges[k] <= t < edges[k + 1]]
+        secs = sum(result["durations"][i] for i in idx)
+        out.append({"after_event": None if k == 0 else k - 1, "steps": len(idx),
+                    "first_step": idx[0] + 1 if idx else None,
+                    "samples_per_s": (batch * len(idx) / secs) if secs > 0 else None})
+    return out
+
+
+def event_steps(result: Dict[str, Any], applied: List[Dict[str, Any]]) -> List[Optional[int]]:
+    """The (1-based) step during which each applied event hit the run (None: after the last step)."""
+    out = []
+    for e in applied:
+        if not e.get("applied") or e.get("wall") is None:
+            out.append(None)
+            continue
+        out.append(next((i + 1 for i, t in enumerate(result["ends"]) if t >= e["wall"]), None))
+    return out
+
+
+def adaptation_delays(result: Dict[str, Any], steps_hit: List[Optional[int]], every: int) -> List[Dict[str, Any]]:
+    """For each event: the first share change decided at or after the step it hit, and how long after."""
+    out = []
+    for s in steps_hit:
+        first = next((d for d in result["decisions"] if s is not None and d["step"] >= s), None)
+        if s is None or first is None:
+            out.append({"event_step": s, "adapted_at_step": None, "steps": None, "agreement_steps": None})
+            continue
+        steps = first["step"] - s + 1
+        out.append({"event_step": s, "adapted_at_step": first["step"], "shares": first["shares"], "steps": steps,
+                    "agreement_steps": math.ceil(steps / every)})
+    return out
+
+
+def _run(kind: str, sc, spec, events, workdir: str, shares: Optional[List[int]], policy: Optional[dict]) -> Dict[str, Any]:
+    from ..emulate.launcher import Emulation
+
+    os.makedirs(workdir, exist_ok=True)
+    out = os.path.join(workdir, "rank0.json")
+    events_log = os.path.join(workdir, "events.jsonl")
+    for p in (out, events_log):
+        if os.path.exists(p):
+            os.remove(p)
+    args_path = os.path.join(workdir, "args.json")
+    with open(args_path, "w", encoding="utf-8") as f:
+        json.dump({"run": sc.run.model_dump(), "shares": shares, "policy": policy, "out": out}, f)
+    cmd = [sys.executable, "-m", "pdv_ext.bench.adapt", "--rank", args_path]
+    log(f"adapt: {kind} run ({'shares ' + str(shares) if shares else 'equal shares'}"
+        f"{', policies ' + json.dumps(policy) if policy else ''})")
+    emu = Emulation(spec, cmd, timeout=sc.run.timeout, out=sys.stderr.buffer, events=events, events_log=events_log,
+                    events_clock="mark")
+    code = emu.run()
+    if code != 0 or not os.path.exists(out):
+        raise RuntimeError(f"the {kind} run failed (exit code {code}); its output is above")
+    with open(out, encoding="utf-8") as f:
+        result = json.load(f)
+    result["events_log"] = read_events_log(events_log)
+    return result
+
+
+def summarize(kind: str, result: Dict[str, Any], every: int) -> Dict[str, Any]:
+    applied = [e for e in result["events_log"]]
+    hit = event_steps(result, applied)
+    s = {"wall_seconds": sum(result["durations"]), "held_out_loss": result["held_out_loss"],
+         "samples": result["samples"], "samples_per_s": result["samples"] / sum(result["durations"]),
+         "phases": phases(result, applied), "event_steps": hit}
+    if kind == "adaptive":
+        s["adaptations"] = adaptation_delays(result, hit, every)
+        s["decisions"] = result["decisions"]
+    return s
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--rank"]:  # one emulated device's process
+        with open(argv[1], encoding="utf-8") as f:
+            return rank_main(json.load(f))
+    ap = parser("adapt", __doc__.split("\n\n")[0])
+    ap.add_argument("--scenario", required=True, help="scenario YAML (launch/scenarios/*.yaml)")
+    ap.add_argument("--steps", type=int, default=None, help="override run.steps (e.g. a short smoke run)")
+    ap.add_argument("--only", default=None, help="comma-separated subset of static,adaptive,oracle")
+    ap.add_argument("--out", default=None, help="where the full result goes (default build/bench-adapt/<name>.json)")
+    ap.add_argument("--plot", default=None, help="also draw samples/s over time to this PNG (as `pdv plot adapt`)")
+    a = ap.parse_args(argv)
+    if a.steps is not None and a.steps < 1:
+        ap.error(f"--steps must be >= 1 (got {a.steps})")
+    kinds = ["static", "adaptive", "oracle"]
+    only = kinds if a.only is None else [k.strip() for k in a.only.split(",") if k.strip()]
+    bad = [k for k in only if k not in kinds]
+    if bad:
+        ap.error(f"--only: unknown run(s) {', '.join(bad)}; choose from {', '.join(kinds)}")
+    try:
+        sc, cluster, cluster_path, spec, events = load_scenario(a.scenario)
+    except (ConfigError, ValueError) as exc:
+        for line in getattr(exc, "errors", [str(exc)]):
+            print(f"pdv bench adapt: {line}", file=sys.stderr)
+        return 2
+    if a.steps is not None:
+        sc.run.steps = a.steps
+    from ..emulate.launcher import EmulationUnavailable, check_available
+
+    try:
+        check_available()
+    except EmulationUnavailable as exc:
+        print(f"pdv bench adapt: {exc}", file=sys.stderr)
+        return 2
+    name = os.path.splitext(os.path.basename(a.scenario))[0]
+    oracle = oracle_shares(cluster, events, sc.run)
+    every = int(sc.run.policy.get("every", 1))
+    workroot = os.path.join(ARTIFACTS, name)
+    results: Dict[str, Dict[str, Any]] = {}
+    for kind in kinds:
+        if kind not in only or (kind == "oracle" and oracle is None):
+            continue
+        results[kind] = _run(kind, sc, spec, events, os.path.join(workroot, kind),
+                             oracle if kind == "oracle" else None, sc.run.policy if kind == "adaptive" else None)
+    summary: Dict[str, Any] = {"scenario": name, "events": [e.model_dump() for e in events],
+                               "global_batch": sc.run.micro_batch * sc.run.micro_batches * sc.run.data,
+                               "steps": sc.run.steps, "oracle_shares": oracle, "oracle_is_static": oracle is None,
+                               "policy": sc.run.policy}
+    for kind, res in results.items():
+        summary[kind] = summarize(kind, res, every)
+    if oracle is None and "static" in summary:
+        summary["oracle"] = summary["static"]
+    if "adaptive" in summary:
+        ad = summary["adaptive"]["wall_seconds"]
+        for base in ("static", "oracle"):
+            if base in summary:
+                summary[f"adaptive_vs_{base}"] = ad / summary[base]["wall_seconds"]
+        if "static" in summary:
+            st = summary["static"]["held_out_loss"]
+            summary["held_out_loss_vs_static"] = summary["adaptive"]["held_out_loss"] / st - 1.0
+        delays = [d["agreement_steps"] for d in summary["adaptive"].get("adaptations", []) if d["agreement_steps"]]
+        summary["max_agreement_steps_to_adapt"] = max(delays) if delays else None
+    full = dict(summary, series={k: {kk: v[kk] for kk in ("start", "ends", "durations", "shares", "decisions",
+                                                          "global_batch", "events_log")}
+                                 for k, v in results.items()})
+    path = a.out or os.path.join(ARTIFACTS, f"{name}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(full, f, indent=1)
+    log(f"adapt: full result in {path}")
+    if a.plot:
+        from ..plot import plot_adapt
+
+        plot_adapt(path, a.plot)
+        log(f"adapt: plot in {a.plot}")
+    summary["result_file"] = path
+    emit(summary, a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
