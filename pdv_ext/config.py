@@ -21,7 +21,7 @@ from .config_base import ConfigError, StrictModel, format_errors  # noqa: E402,F
 
 # --- sub-sections (each capability owns its schema) ----------------------------------------------
 from .placement.config import PlacementConfig  # noqa: E402
-from .policy.config import PolicyConfig  # noqa: E402
+from .policy.config import PolicyConfig, policy_plugins  # noqa: E402
 from .init_search_config import InitSearchConfig  # noqa: E402
 from .aggregation.faults_config import FaultsConfig  # noqa: E402
 
@@ -97,11 +97,13 @@ def validate_pdv(section: Any, prefix: str = "pdv") -> Tuple[Optional[PDVConfig]
     return (cfg if not errors else None), errors
 
 
-_CROSS_CHECKS: List[Any] = []
+#: whole-config checks `fn(cfg, prefix) -> list[str]`, run once every section is valid on its own
+_CROSS_CHECKS: List[Any] = [policy_plugins]
 
 
 def cross_check(fn):
-    """Register a whole-config check `fn(cfg, prefix) -> list[str]` (e.g. a policy naming an aggregator)."""
+    """Register one more whole-config check `fn(cfg, prefix) -> list[str]` (the built-in one: a policy naming
+    an aggregator, `policy.config.policy_plugins`)."""
     _CROSS_CHECKS.append(fn)
     return fn
 

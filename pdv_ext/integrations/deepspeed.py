@@ -25,6 +25,8 @@ from ..aggregation import Aggregator, bind_group, build_aggregator
 from ..aggregation.faults import loss_scale_overflow
 from ..comm import TorchComm, host_twin
 from ..config import ConfigError, PDVConfig, split_config
+from ..policy.engine import begin_step, build_glue, load_state, save_state
+from .instruction_map import wrap_instructions  # noqa: F401  (also importable from here, as before)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -264,9 +266,7 @@ class PDVPipelineEngine(PipelineEngine):
         from ..aggregation.faults import install_fault_hooks  # pdv.faults + the NaN/Inf guard
 
         install_fault_hooks(self)
-        from ..policy.engine import build_glue  # pdv.policy: Monitor + PolicyRunner (None when unused)
-
-        self.pdv_policy = build_glue(self)
+        self.pdv_policy = build_glue(self)  # pdv.policy: Monitor + PolicyRunner (None when unused)
         self._check_takeover_once()  # the hooks now exist: can `mean` under ZeRO-1 hand them the gradients?
 
     def _check_takeover_once(self) -> None:
@@ -471,8 +471,6 @@ class PDVPipelineEngine(PipelineEngine):
 
     # -- policies and checkpoints (the logic lives in pdv_ext.policy.engine) -------------------------
     def train_batch(self, data_iter: Any = None) -> Any:
-        from ..policy.engine import begin_step
-
         glue = begin_step(self, data_iter)
         loss = super().train_batch(data_iter=data_iter)
         if glue is not None:  # metrics, then the policies' actions, at this step boundary on every rank
@@ -481,15 +479,11 @@ class PDVPipelineEngine(PipelineEngine):
 
     def save_checkpoint(self, save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed's checkpoint plus pdv's state (aggregator, batch size, policies, data position)."""
-        from ..policy.engine import save_state
-
         out = super().save_checkpoint(save_dir, tag, *args, **kwargs)
         save_state(self, save_dir, tag)
         return out
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
-        from ..policy.engine import load_state
-
         out = super().load_checkpoint(load_dir, tag, *args, **kwargs)
         if out[0] is not None:
             load_state(self, load_dir, tag)
@@ -499,17 +493,6 @@ class PDVPipelineEngine(PipelineEngine):
         **PipelineEngine._INSTRUCTION_MAP,
         schedule.ReduceGrads: _exec_pdv_reduce_grads,
     }
-
-
-def wrap_instructions(engine: Any, wrap: Callable[[type, Callable], Callable],
-                      instructions: Optional[Sequence[type]] = None) -> None:
-    """Give `engine` an instance-level instruction map in which each of `instructions` (default: all)
-    runs `wrap(instruction class, current function)`: how the policy layer times forward/backward and
-    the placement benchmark times every instruction, on top of whatever map the engine has now."""
-    imap = dict(engine._INSTRUCTION_MAP)
-    for instr in (imap if instructions is None else instructions):
-        imap[instr] = wrap(instr, imap[instr])
-    engine._INSTRUCTION_MAP = imap
 
 
 # ---------------------------------------------------------------------------------------------------

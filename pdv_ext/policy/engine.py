@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..comm import world_comm
+from ..integrations.instruction_map import wrap_instructions
 from .base import build_policy
 from .config import PolicyConfig
 from .metrics import Monitor
@@ -107,8 +108,6 @@ class PolicyGlue:
 
     def __init__(self, engine: Any, cfg: PolicyConfig):
         from deepspeed.runtime.pipe import schedule
-
-        from ..integrations.deepspeed import wrap_instructions
 
         self.engine, self.cfg = engine, cfg
         # the world: every rank of every stage agrees; on NCCL the metrics travel on a gloo twin (no device sync)
