@@ -25,6 +25,7 @@ from ..aggregation import Aggregator, bind_group, build_aggregator
 from ..aggregation.faults import loss_scale_overflow
 from ..comm import TorchComm, host_twin
 from ..config import ConfigError, PDVConfig, split_config
+from ..log import apply_log_level
 from ..policy.engine import begin_step, build_glue, load_state, save_state
 from .instruction_map import wrap_instructions  # noqa: F401  (also importable from here, as before)
 
@@ -537,7 +538,8 @@ def initialize(args: Any = None,
     left as the caller set it: DeepSpeed's engine never reads it, and for a model that is not a
     `PipelineModule` it is hidden (set to None) only while `deepspeed.initialize` runs, which refuses it
     beside the config dict pdv hands over. At the end, rank 0 logs what pdv_ext set up (engine, aggregator
-    per stage, placement, policies, init search) through DeepSpeed's logger (`pdv_ext.integrations.summary`).
+    per stage, placement, policies, init search) at INFO through pdv_ext's logger (`pdv_ext.log`,
+    `pdv_ext.integrations.summary`).
     """
     if config is None and config_params is not None:
         config = config_params
@@ -547,6 +549,7 @@ def initialize(args: Any = None,
     if config is None:
         raise ConfigError(["config: pass config=... or --deepspeed_config (a DeepSpeed JSON with a 'pdv' section)"])
     ds_config, pdv_cfg = split_config(config)
+    apply_log_level(ds_config)  # DeepSpeed's "log_level" quiets pdv_ext's INFO lines too
     ds_config["pdv"] = pdv_cfg.model_dump(exclude_defaults=True)  # readable from engine._config._param_dict
 
     if not isinstance(model, PipelineModule):
