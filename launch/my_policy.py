@@ -8,8 +8,10 @@ working directory: run from the repository root, or put its folder on PYTHONPATH
 or register a name for it in your package's setup.py:
     entry_points={"pdv_ext.policies": ["plateau_lr = my_pkg.my_policy:PlateauLR"]}
 
-A policy only decides: it runs on rank 0, must not communicate, and returns Actions that the runner
-applies on every rank at the same step. Whatever `state_dict` returns is saved in checkpoints.
+A policy only decides: its `after_step` runs on rank 0, must not communicate, and returns Actions that
+the runner applies on every rank at the same step (`__init__`, `on_train_begin` and `load_state_dict` run
+on every rank). Whatever `state_dict` returns is saved in checkpoints. Copy it under another name: a file
+called my_policy.py next to your own script would be hidden by this one when the script runs from launch/.
 """
 from __future__ import annotations
 

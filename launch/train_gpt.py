@@ -5,6 +5,10 @@
 4 ranks = 2 pipeline stages x 2 data-parallel replicas (`--stages`). The text is CPython's own
 documentation (`pydoc_data.topics`, ships with Python); the last 10% is held out. Rank 0 prints
 progress (step, loss, tokens/s), evaluates held-out loss, and writes `metrics.csv` and a loss plot.
+
+`--import MODULE` (repeatable; a module name or a .py file) imports your plug-ins first, so that the names
+they register (`@register_policy("halve_lr_on_plateau")`, ...) can be used in the config. A bad config
+stops every rank before any process group starts, with its problems printed once (rank 0), exit status 2.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from deepspeed.pipe import PipelineModule
 
 import pdv_ext
 from pdv_ext.models import ByteWindows, gpt_layers, lm_loss, seed_layer, text_splits
+from pdv_ext.registry import RegistryError, import_user_modules
 
 
 def parse_args():
@@ -32,13 +37,22 @@ def parse_args():
     ap.add_argument("--eval-batches", type=int, default=4)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default="runs/demo", help="folder for metrics.csv and plots")
+    ap.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                    help="import this module or .py file first (plug-ins registered by name; repeatable)")
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     ap = deepspeed.add_config_arguments(ap)
     return ap.parse_args()
 
 
+@pdv_ext.exit_on_config_error
 def main() -> None:
     args = parse_args()
+    try:
+        import_user_modules(args.imports)
+    except RegistryError as exc:
+        raise pdv_ext.ConfigError([f"--import: {exc}"]) from exc
+    if args.deepspeed_config:  # every rank checks it before any process group starts: a typo fails in seconds
+        pdv_ext.load_pdv(args.deepspeed_config)
     torch.manual_seed(args.seed)
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     model = PipelineModule(layers=gpt_layers(args.layers, args.hidden, args.heads, args.seq_len),

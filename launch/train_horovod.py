@@ -19,7 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pdv_ext.config import ConfigError, split_config
+from pdv_ext.config import split_config
+from pdv_ext.user_errors import exit_on_config_error
 
 
 def parse_args(argv=None):
@@ -41,14 +42,10 @@ def evaluate(model, x, y):
         return float(F.cross_entropy(logits, y)), float((logits.argmax(-1) == y).float().mean())
 
 
+@exit_on_config_error  # a bad config: its lines once (rank 0), exit status 2 on every rank, no traceback
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:  # bad config: one line per error on every rank, before any collective
-        _, pdv = split_config(args.config)
-    except ConfigError as exc:
-        for line in exc.errors:
-            print(line, file=sys.stderr)
-        return 2
+    _, pdv = split_config(args.config)  # before any collective
     import horovod.torch as hvd
 
     import pdv_ext.horovod as pdv_hvd

@@ -5,7 +5,7 @@ Public names are imported lazily so that `pdv check-config` and other tools star
 __version__ = "0.1.0"
 
 __all__ = ["initialize", "PDVPipelineEngine", "apply_placement", "build_aggregator", "register_aggregator",
-           "TorchComm", "load_pdv", "ConfigError"]
+           "TorchComm", "load_pdv", "ConfigError", "exit_on_config_error"]
 
 _LAZY = {
     "initialize": "pdv_ext.integrations.deepspeed",
@@ -16,6 +16,7 @@ _LAZY = {
     "TorchComm": "pdv_ext.comm",
     "load_pdv": "pdv_ext.config",
     "ConfigError": "pdv_ext.config",
+    "exit_on_config_error": "pdv_ext.user_errors",
 }
 
 

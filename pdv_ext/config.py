@@ -21,9 +21,10 @@ from .config_base import ConfigError, StrictModel, format_errors  # noqa: E402,F
 
 # --- sub-sections (each capability owns its schema) ----------------------------------------------
 from .placement.config import PlacementConfig  # noqa: E402
-from .policy.config import PolicyConfig  # noqa: E402
+from .policy.config import PolicyConfig, policy_plugins  # noqa: E402
 from .init_search_config import InitSearchConfig  # noqa: E402
 from .aggregation.faults_config import FaultsConfig  # noqa: E402
+from .placement.check import placement_errors  # noqa: E402
 
 
 class AggregationConfig(StrictModel):
@@ -117,11 +118,13 @@ def validate_pdv(section: Any, prefix: str = "pdv") -> Tuple[Optional[PDVConfig]
     return (cfg if not errors else None), errors
 
 
-_CROSS_CHECKS: List[Any] = []
+#: whole-config checks `fn(cfg, prefix) -> list[str]`, run once every section is valid on its own
+_CROSS_CHECKS: List[Any] = [policy_plugins]
 
 
 def cross_check(fn):
-    """Register a whole-config check `fn(cfg, prefix) -> list[str]` (e.g. a policy naming an aggregator)."""
+    """Register one more whole-config check `fn(cfg, prefix) -> list[str]` (the built-in one: a policy naming
+    an aggregator, `policy.config.policy_plugins`)."""
     _CROSS_CHECKS.append(fn)
     return fn
 
@@ -231,14 +234,25 @@ def topology_errors(section: Any, world_size: int, stages: Optional[int] = None,
 
 def check_file(path: str, world_size: Optional[int] = None, stages: Optional[int] = None,
                notes: Optional[List[str]] = None) -> List[str]:
-    """Every error of the `"pdv"` section of a config file (empty when valid). With `world_size` (and
-    `stages`), also what that topology makes of it (`topology_errors`; clamped options go to `notes`)."""
+    """Every error of the `"pdv"` section of a config file (empty when valid), including what the launch
+    would load: the cluster YAML, plan and profile files and solver it names (`placement.check`; defaults a
+    cluster fills go to `notes`). With `world_size` (and `stages`), also what that topology makes of it
+    (`topology_errors`; clamped options go to `notes`). A file with no pdv section at all is an error: the
+    launch would run it with every default, which `"pdv": {}` says on purpose."""
     try:
         data = read_file(path)
     except ConfigError as exc:
         return exc.errors
     section, _, errors = find_section(data)
-    errors = errors + validate_pdv(section)[1]
+    if not errors and "pdv" not in data and section == {}:
+        return [f"{path}: no \"pdv\" section; pdv_ext would run this config with every default (mean aggregation, "
+                "DeepSpeed's own placement, no policies): add \"pdv\": {} to mean that"]
+    cfg, more = validate_pdv(section)
+    errors = errors + more
+    planned = None
+    if cfg is not None and not errors:
+        more, planned = placement_errors(cfg.placement, world_size, stages, notes)
+        errors += more
     if world_size is not None and not errors:
-        errors += topology_errors(section, world_size, stages, notes=notes)
+        errors += topology_errors(section, world_size, stages if stages is not None else planned, notes=notes)
     return errors

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.metadata
+import importlib.util
 import os
 import sys
 import threading
@@ -39,13 +40,74 @@ def load_object(spec: str) -> Any:
     try:
         obj: Any = _import_from_cwd_too(module_name)
     except ImportError as exc:
-        raise RegistryError(f"cannot import module '{module_name}' for '{spec}': {exc}") from exc
+        raise RegistryError(f"cannot import module '{module_name}' for '{spec}': {exc} (looked on sys.path, then in "
+                            f"the working directory {os.getcwd()})") from exc
+    module = obj
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError as exc:
-            raise RegistryError(f"module '{module_name}' has no attribute '{attr}' (from '{spec}')") from exc
+            raise RegistryError(f"module '{module_name}' ({_where(module)}) has no attribute '{attr}' (from "
+                                f"'{spec}'){_shadowed(module_name, module)}") from exc
     return obj
+
+
+def _where(module: Any) -> str:
+    """The file a module was imported from, relative to the working directory when inside it."""
+    path = getattr(module, "__file__", None)
+    if not path:
+        return "no file: a namespace package or a built-in module"
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+def _shadowed(module_name: str, module: Any) -> str:
+    """A hint when a file of the same name in the working directory lost to the one imported (the
+    script's own folder comes first on sys.path: `launch/my_policy.py` hides `./my_policy.py`)."""
+    mine = os.path.join(os.getcwd(), *module_name.split(".")) + ".py"
+    loaded = getattr(module, "__file__", None)
+    if os.path.isfile(mine) and (not loaded or os.path.abspath(loaded) != mine):
+        return (f"; {os.path.relpath(mine)} in the working directory has the same module name and was not imported: "
+                "rename it")
+    return ""
+
+
+def import_user_modules(specs: Iterable[str]) -> List[Any]:
+    """Import each of `specs` (a module name, or a path to a .py file) so that the names its decorators
+    register (`register_policy`, `register_aggregator`, `register_solver`) are known: what `--import` does
+    in `launch/train_gpt.py` and `pdv check-config`. A file is imported under its file name (without .py),
+    so that `"name:Class"` also finds it afterwards."""
+    out = []
+    for spec in specs:
+        if spec.endswith(".py") or os.sep in spec:
+            if not os.path.isfile(spec):
+                raise RegistryError(f"cannot import '{spec}': no such file")
+            name = os.path.splitext(os.path.basename(spec))[0]
+            loaded = sys.modules.get(name)
+            if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") == os.path.abspath(spec):
+                out.append(loaded)
+                continue
+            if loaded is not None:
+                raise RegistryError(f"cannot import '{spec}' as module '{name}': a module of that name is already "
+                                    f"imported ({_where(loaded)}); rename the file")
+            unit = importlib.util.spec_from_file_location(name, spec)
+            if unit is None or unit.loader is None:
+                raise RegistryError(f"cannot import '{spec}': not a Python file")
+            module = importlib.util.module_from_spec(unit)
+            sys.modules[name] = module
+            try:
+                unit.loader.exec_module(module)
+            except Exception:
+                del sys.modules[name]
+                raise
+            out.append(module)
+            continue
+        try:
+            out.append(_import_from_cwd_too(spec))
+        except ModuleNotFoundError as exc:
+            raise RegistryError(f"cannot import module '{spec}': {exc} (looked on sys.path, then in the working "
+                                f"directory {os.getcwd()})") from exc
+    return out
 
 
 def call_factory(factory: Any, options: Dict[str, Any], base: type, label: str) -> Any:
@@ -186,7 +248,11 @@ class Registry(Generic[T]):
         if isinstance(name, str) and ":" in name:
             return load_object(name)
         known = ", ".join(self.names()) or "none"
-        raise RegistryError(f"unknown {self.kind} '{name}'{did_you_mean(name, self.names())}; known: {known}")
+        attr = "function" if self.kind == "solver" else "Class"
+        raise RegistryError(f"unknown {self.kind} '{name}'{did_you_mean(name, self.names())}; known: {known}; for your "
+                            f"own, write 'module:{attr}' (the module is imported from sys.path or the working "
+                            f"directory), or import the module that registers '{name}' first (`--import MODULE` in pdv check-config and "
+                            "launch/train_gpt.py)")
 
     def build(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Look up `name` and call it (a class: construct it)."""

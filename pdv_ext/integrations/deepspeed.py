@@ -25,6 +25,9 @@ from ..aggregation import Aggregator, bind_group, build_aggregator
 from ..aggregation.faults import loss_scale_overflow
 from ..comm import TorchComm, host_twin
 from ..config import ConfigError, PDVConfig, split_config
+from ..log import apply_log_level
+from ..policy.engine import begin_step, build_glue, load_state, save_state
+from .instruction_map import wrap_instructions  # noqa: F401  (also importable from here, as before)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -269,9 +272,7 @@ class PDVPipelineEngine(PipelineEngine):
         from ..aggregation.faults import install_fault_hooks  # pdv.faults + the NaN/Inf guard
 
         install_fault_hooks(self)
-        from ..policy.engine import build_glue  # pdv.policy: Monitor + PolicyRunner (None when unused)
-
-        self.pdv_policy = build_glue(self)
+        self.pdv_policy = build_glue(self)  # pdv.policy: Monitor + PolicyRunner (None when unused)
         self._check_takeover_once()  # the hooks now exist: can `mean` under ZeRO-1 hand them the gradients?
 
     def _check_takeover_once(self) -> None:
@@ -544,8 +545,6 @@ class PDVPipelineEngine(PipelineEngine):
 
     # -- policies and checkpoints (the logic lives in pdv_ext.policy.engine) -------------------------
     def train_batch(self, data_iter: Any = None) -> Any:
-        from ..policy.engine import begin_step
-
         glue = begin_step(self, data_iter)
         loss = super().train_batch(data_iter=data_iter)
         if glue is not None:  # metrics, then the policies' actions, at this step boundary on every rank
@@ -554,15 +553,11 @@ class PDVPipelineEngine(PipelineEngine):
 
     def save_checkpoint(self, save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed's checkpoint plus pdv's state (aggregator, batch size, policies, data position)."""
-        from ..policy.engine import save_state
-
         out = super().save_checkpoint(save_dir, tag, *args, **kwargs)
         save_state(self, save_dir, tag)
         return out
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
-        from ..policy.engine import load_state
-
         out = super().load_checkpoint(load_dir, tag, *args, **kwargs)
         if out[0] is not None:
             load_state(self, load_dir, tag)
@@ -572,17 +567,6 @@ class PDVPipelineEngine(PipelineEngine):
         **PipelineEngine._INSTRUCTION_MAP,
         schedule.ReduceGrads: _exec_pdv_reduce_grads,
     }
-
-
-def wrap_instructions(engine: Any, wrap: Callable[[type, Callable], Callable],
-                      instructions: Optional[Sequence[type]] = None) -> None:
-    """Give `engine` an instance-level instruction map in which each of `instructions` (default: all)
-    runs `wrap(instruction class, current function)`: how the policy layer times forward/backward and
-    the placement benchmark times every instruction, on top of whatever map the engine has now."""
-    imap = dict(engine._INSTRUCTION_MAP)
-    for instr in (imap if instructions is None else instructions):
-        imap[instr] = wrap(instr, imap[instr])
-    engine._INSTRUCTION_MAP = imap
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -627,7 +611,8 @@ def initialize(args: Any = None,
     left as the caller set it: DeepSpeed's engine never reads it, and for a model that is not a
     `PipelineModule` it is hidden (set to None) only while `deepspeed.initialize` runs, which refuses it
     beside the config dict pdv hands over. At the end, rank 0 logs what pdv_ext set up (engine, aggregator
-    per stage, placement, policies, init search) through DeepSpeed's logger (`pdv_ext.integrations.summary`).
+    per stage, placement, policies, init search) at INFO through pdv_ext's logger (`pdv_ext.log`,
+    `pdv_ext.integrations.summary`).
     """
     if config is None and config_params is not None:
         config = config_params
@@ -637,6 +622,7 @@ def initialize(args: Any = None,
     if config is None:
         raise ConfigError(["config: pass config=... or --deepspeed_config (a DeepSpeed JSON with a 'pdv' section)"])
     ds_config, pdv_cfg = split_config(config)
+    apply_log_level(ds_config)  # DeepSpeed's "log_level" quiets pdv_ext's INFO lines too
     ds_config["pdv"] = pdv_cfg.model_dump(exclude_defaults=True)  # readable from engine._config._param_dict
 
     if not isinstance(model, PipelineModule):

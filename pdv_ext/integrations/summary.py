@@ -3,7 +3,8 @@
 A user who printed `type(engine)` could not tell whether the aggregator, the placement or the policies were
 active. At the end of `initialize` every rank hands rank 0 its stage and its aggregator (one small
 `all_gather_object` over the world: aggregators are built per stage and a plugin factory may build a
-different one per stage), and rank 0 logs, through DeepSpeed's logger (so DeepSpeed's log level applies):
+different one per stage), and rank 0 logs, at INFO through pdv_ext's own logger (`pdv_ext.log`: shown by
+default, quiet with `"log_level": "warning"` in the DeepSpeed config):
 
     pdv_ext: engine PDVPipelineEngine: 2 stages x 2 data-parallel replicas (4 ranks)
     pdv_ext: aggregator adasum() on every stage's data-parallel group
@@ -19,14 +20,22 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional
 
+from ..log import logger
+
 PREFIX = "pdv_ext: "
+
+
+def plugin_label(plugin: Any) -> str:
+    """The name a user knows a plug-in by: the one the config gave (`plugin_name`, e.g.
+    `"launch.my_policy:PlateauLR"`), else its registered `name`, else its class's name."""
+    return getattr(plugin, "plugin_name", None) or getattr(plugin, "name", None) or type(plugin).__name__
 
 
 def describe(plugin: Any) -> str:
     """`name(option=value, ...)`: an aggregator or a policy as configured on this rank."""
     opts = getattr(plugin, "options", None)
     dump = opts.model_dump() if hasattr(opts, "model_dump") else dict(opts or {})
-    return f"{getattr(plugin, 'name', type(plugin).__name__)}({', '.join(f'{k}={v!r}' for k, v in dump.items())})"
+    return f"{plugin_label(plugin)}({', '.join(f'{k}={v!r}' for k, v in dump.items())})"
 
 
 def describe_in_force(agg: Any) -> str:
@@ -149,17 +158,14 @@ def startup_lines(engine: Any, facts: List[Dict[str, Any]], cfg: Any) -> List[st
 
 
 def log_startup(engine: Any, cfg: Any = None) -> List[str]:
-    """Collective (every rank calls it once, at the end of `initialize`): rank 0 logs the summary through
-    `deepspeed.utils.logger` at WARNING, the level DeepSpeed's logger shows by default (at INFO a user would
-    see nothing, which is the complaint this answers; `"log_level": "error"` in the config silences it, as it
-    does DeepSpeed's own start-up warnings) and keeps the lines as
-    `engine.pdv_startup_summary`; other ranks log nothing and keep []. Returns the lines."""
-    from deepspeed.utils import logger
-
+    """Collective (every rank calls it once, at the end of `initialize`): rank 0 logs the summary at INFO
+    through pdv_ext's logger (`pdv_ext.log`: visible by default without reading as a warning; the DeepSpeed
+    config's `"log_level": "warning"` silences it) and keeps the lines as `engine.pdv_startup_summary`;
+    other ranks log nothing and keep []. Returns the lines."""
     cfg = cfg if cfg is not None else engine.pdv_config
     facts = gather_facts(local_facts(engine))
     lines = [] if facts is None else startup_lines(engine, facts, cfg)
     for line in lines:
-        logger.warning(line)
+        logger.info(line[len(PREFIX):])  # the handler's format names the logger: "[pdv_ext] engine ..."
     engine.pdv_startup_summary = lines
     return lines

@@ -15,10 +15,17 @@ or "50us"/"2ms"; memory in bytes or "16 GiB"; throughput in FLOP/s or any relati
     reference_throughput: 2.0      # throughput of the device the layer profile was measured on
                                    # (default: the fastest device in the cluster)
     events: [...]                  # `pdv emulate`'s timeline (pdv_ext.emulate.events); placement ignores it
+
+Defaults (docs/placement.md, "Defaults"): a device's `throughput` 1.0, its `memory` unlimited, a link's
+`latency` 0; `links.intra_host` 10 GB/s (80 Gbit/s) and 10 us, `links.inter_host` 1.25 GB/s (10 Gbit/s)
+and 50 us. A missing throughput or a missing link that the cluster uses (intra_host: a host with two
+devices or more; inter_host: two hosts or more) changes the plan, so each gets one ClusterDefaultWarning
+naming the key and the value assumed.
 """
 from __future__ import annotations
 
 import re
+import warnings
 from collections import Counter
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -64,6 +71,15 @@ def parse_quantity(value: Union[str, int, float], kind: str) -> float:
     return num
 
 
+DEFAULT_THROUGHPUT = 1.0
+DEFAULT_INTRA_HOST = {"bandwidth": 1e10, "latency": 1e-5}   # 10 GB/s (80 Gbit/s), 10 us
+DEFAULT_INTER_HOST = {"bandwidth": 1.25e9, "latency": 5e-5}  # 1.25 GB/s (10 Gbit/s), 50 us
+
+
+class ClusterDefaultWarning(UserWarning):
+    """A value the cluster YAML left out and that changes the plan was filled with its default."""
+
+
 class Link(StrictModel):
     """A link: bandwidth (bytes/s) and latency (s)."""
 
@@ -87,8 +103,8 @@ class PairLink(Link):
 
 
 class Links(StrictModel):
-    intra_host: Link = Field(default_factory=lambda: Link(bandwidth=1e10, latency=1e-5))
-    inter_host: Link = Field(default_factory=lambda: Link(bandwidth=1.25e9, latency=5e-5))
+    intra_host: Link = Field(default_factory=lambda: Link(**DEFAULT_INTRA_HOST))
+    inter_host: Link = Field(default_factory=lambda: Link(**DEFAULT_INTER_HOST))
     pairs: List[PairLink] = Field(default_factory=list)
 
 
@@ -99,7 +115,7 @@ def _memory(v: Any) -> Optional[float]:
 class Device(StrictModel):
     name: str
     host: str
-    throughput: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    throughput: float = Field(default=DEFAULT_THROUGHPUT, gt=0, allow_inf_nan=False)
     memory: Optional[float] = Field(default=None, gt=0, allow_inf_nan=False)  # None: unlimited
     _mem = field_validator("memory", mode="before")(_memory)
 
@@ -107,7 +123,7 @@ class Device(StrictModel):
 class HostGroup(StrictModel):
     name: str
     devices: int = Field(gt=0)
-    throughput: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    throughput: float = Field(default=DEFAULT_THROUGHPUT, gt=0, allow_inf_nan=False)
     memory: Optional[float] = Field(default=None, gt=0, allow_inf_nan=False)
     _mem = field_validator("memory", mode="before")(_memory)
 
@@ -135,6 +151,26 @@ class ClusterSpec(StrictModel):
                 if end not in known:
                     raise ValueError(f"links.pairs.{i}: unknown device '{end}'")
         return self
+
+    def defaults_used(self) -> List[str]:
+        """One line per default that changes the plan: throughputs left out (one line for all of them),
+        and a missing intra_host / inter_host link that some pair of devices uses."""
+        lines = []
+        missing = [f"devices.{i}.throughput" for i, d in enumerate(self.devices) if "throughput" not in d.model_fields_set]
+        missing += [f"hosts.{i}.throughput" for i, h in enumerate(self.hosts) if "throughput" not in h.model_fields_set]
+        if missing:
+            keys = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            lines.append(f"{keys}: not given, {DEFAULT_THROUGHPUT} assumed (speeds are relative to "
+                         "reference_throughput, by default the fastest device)")
+        devices = self.all_devices()
+        per_host = Counter(d.host for d in devices)
+        for key, used, link in (("intra_host", max(per_host.values()) > 1, DEFAULT_INTRA_HOST),
+                                ("inter_host", len(per_host) > 1, DEFAULT_INTER_HOST)):
+            if used and key not in self.links.model_fields_set:
+                lines.append(f"links.{key}: not given, bandwidth {link['bandwidth']:.3g} B/s "
+                             f"({link['bandwidth'] * 8 / 1e9:g} Gbit/s) and latency {link['latency'] * 1e6:g} us "
+                             "assumed")
+        return lines
 
     def all_devices(self) -> List[Device]:
         out = list(self.devices)
@@ -164,9 +200,12 @@ class Cluster:
         if not isinstance(data, dict):
             raise ConfigError([f"{source}: expected a mapping with 'devices'/'hosts' and 'links'"])
         try:
-            return cls(ClusterSpec.model_validate(data))
+            spec = ClusterSpec.model_validate(data)
         except ValidationError as exc:
             raise ConfigError(format_errors(exc, ClusterSpec, source)) from exc
+        for line in spec.defaults_used():
+            warnings.warn(f"{source}: {line}", ClusterDefaultWarning, stacklevel=2)
+        return cls(spec)
 
     @classmethod
     def load(cls, path: str) -> "Cluster":

@@ -2,6 +2,7 @@
 PolicyRunner that makes every rank apply the same actions at the same step. See docs/policy.md."""
 from .base import (POLICIES, Action, Policy, SetAggregator, SetBatchSize, SetDataShares, SetGossipPeers,
                    SetLearningRate, TrainContext, build_policy, register_policy)
+from . import builtin  # noqa: F401,E402  (registers the built-in policies, as aggregation/ does its aggregators)
 
 __all__ = ["POLICIES", "Action", "Policy", "SetAggregator", "SetBatchSize", "SetDataShares", "SetGossipPeers",
            "SetLearningRate", "TrainContext", "build_policy", "register_policy", "Monitor", "PolicyRunner",

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Dict, List, Literal, Optional, Tuple, Type, Un
 from ..config_base import StrictModel, WithOptions
 from ..registry import Registry, call_factory
 
+#: filled by `policy/builtin` (imported by the package, so before any lookup) and by plug-ins
 POLICIES: Registry = Registry("policy", "pdv_ext.policies")
 
 LRRule = Literal["none", "linear", "sqrt", "adascale"]
@@ -156,13 +157,8 @@ def build_policy(spec: Union[str, Dict[str, Any], Policy]) -> Policy:
         return spec
     spec = {"name": spec} if isinstance(spec, str) else dict(spec)
     name = spec.pop("name")
-    _load_builtins()
     cls = POLICIES.get(name)
     pol = cls(spec) if isinstance(cls, type) and issubclass(cls, Policy) else call_factory(cls, spec, Policy, name)
     if not getattr(pol, "plugin_name", None):
         pol.plugin_name = name  # the name the user wrote: used in error reports
     return pol
-
-
-def _load_builtins() -> None:
-    from . import builtin  # noqa: F401  (registers gns_batch_size, straggler_topology, schedule, rebalance)

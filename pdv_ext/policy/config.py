@@ -1,16 +1,20 @@
 """Schema of `pdv.policy`: the Monitor's outputs and the plugins the PolicyRunner runs.
 
 Each plugin entry is `{"name": <registered name | entry point | "module:Class">, **options}`; the options
-are checked against that policy class's own `Options` model (like aggregators), by a cross-check so that
-`pdv check-config` reports them with their key path. No heavy imports here.
+are checked against that policy class's own `Options` model (like aggregators) by `policy_plugins`, a
+whole-config check that `pdv_ext.config` runs, so that `pdv check-config` reports them with their key path.
+No heavy imports here.
 """
 from __future__ import annotations
 
 from typing import Any, Dict, List, Literal, Optional
 
-from pydantic import field_validator
+from pydantic import ValidationError, field_validator
 
-from ..config_base import StrictModel
+from ..aggregation import AGGREGATORS
+from ..config_base import StrictModel, format_errors
+from ..registry import RegistryError, did_you_mean, factory_errors
+from .base import POLICIES, Policy
 
 
 class MonitorConfig(StrictModel):
@@ -60,8 +64,6 @@ class PolicyConfig(StrictModel):
     @field_validator("plugins")
     @classmethod
     def _plugins(cls, v: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-        if v:
-            _ensure_cross_check()
         for i, p in enumerate(v):
             if not isinstance(p.get("name"), str) or not p["name"]:
                 raise ValueError(f"plugin {i} needs a 'name' (a registered policy or 'module:Class')")
@@ -80,30 +82,8 @@ class PolicyConfig(StrictModel):
         return bool(self.plugins) or self.monitor.enabled
 
 
-_REGISTERED = False
-
-
-def _ensure_cross_check() -> None:
-    """Register the whole-config check once `pdv_ext.config` exists (it imports this module while it is
-    being built, so registration happens lazily, on the first validation of a policy section)."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    from ..config import cross_check
-
-    _REGISTERED = True
-    cross_check(policy_plugins)
-
-
 def policy_plugins(cfg: Any, prefix: str) -> List[str]:
     """Plugin names and options, and the aggregators that policies name, checked with the whole config."""
-    from pydantic import ValidationError
-
-    from ..config_base import format_errors
-    from ..registry import RegistryError, did_you_mean, factory_errors
-    from .base import POLICIES, Policy, _load_builtins
-
-    _load_builtins()
     errors: List[str] = []
     for i, spec in enumerate(cfg.policy.plugins):
         path = f"{prefix}.policy.plugins.{i}"
@@ -127,8 +107,6 @@ def policy_plugins(cfg: Any, prefix: str) -> List[str]:
         named = getattr(cls, "aggregators_named", None)
         if named is None:
             continue
-        from ..aggregation import AGGREGATORS
-
         for key, agg in named(parsed):
             if agg not in AGGREGATORS:
                 errors.append(f"{path}.{key}: unknown aggregator '{agg}'{did_you_mean(agg, AGGREGATORS.names())}; "

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..comm import world_comm
+from ..integrations.instruction_map import wrap_instructions
 from .base import build_policy
 from .config import PolicyConfig
 from .metrics import Monitor
@@ -134,8 +135,6 @@ class PolicyGlue:
     def __init__(self, engine: Any, cfg: PolicyConfig):
         from deepspeed.runtime.pipe import schedule
 
-        from ..integrations.deepspeed import wrap_instructions
-
         self.engine, self.cfg = engine, cfg
         # the world: every rank of every stage agrees; on NCCL the metrics travel on a gloo twin (no device sync)
         self.comm = world_comm()
@@ -156,6 +155,7 @@ class PolicyGlue:
             if policies else None)
         self.last_metrics: Dict[str, Any] = {}
         self._begun = False
+        self._step_lr: Optional[float] = None
 
     def begin(self) -> None:
         if not self._begun:
@@ -163,15 +163,20 @@ class PolicyGlue:
             if self.runner is not None:
                 ctx_step = int(self.engine.global_steps)
                 self.runner.on_train_begin(ctx_step)
+        # the LR this step's optimizer update uses: DeepSpeed's scheduler moves it only after that update
+        lrs = self.applier.get_lr()
+        self._step_lr = lrs[0] if lrs else None
         self.monitor.begin_step(int(self.engine.global_steps) + 1)
 
     def end(self, loss: Any) -> Dict[str, Any]:
-        """After train_batch: the Monitor's metrics; on agreement steps the runner applies the actions."""
+        """After train_batch: the Monitor's metrics (`lr`: the LR the step used, the policies' scale
+        included); on agreement steps the runner applies the actions."""
         e = self.engine
         mbs, mb, _ = self.applier.batch_geometry()
-        lrs = self.applier.get_lr()
+        if self.runner is not None:  # the scheduler just reset the LR: the policies' scale goes back on now
+            self.runner.sync_lr()
         m = self.monitor.end_step(int(e.global_steps), float(loss) if loss is not None else None,
-                                  lrs[0] if lrs else None, mbs, mb, getattr(e.aggregator, "report", None))
+                                  self._step_lr, mbs, mb, getattr(e.aggregator, "report", None))
         if m is None:  # not an agreement step (pdv.policy.every): no communication
             return self.last_metrics
         if self.runner is not None:

@@ -6,11 +6,11 @@ pipeline engine; Horovod has its own). Per step, after the Monitor's all-gather 
 on all ranks), rank 0 asks each enabled policy, resolves what depends on rank-local state (the LR
 factor), and broadcasts one small message; when there is nothing to do it costs one broadcast of one
 integer. A policy that raises is reported with its name and step, then disabled on every rank
-(`on_error="disable"`), or every rank raises PolicyError (`on_error="raise"`).
+(`on_error="disable"`), or every rank raises PolicyError (`on_error="raise"`). Rank 0 logs one INFO line
+per applied action (step, policy, action and its values, what changed) through pdv_ext's logger.
 """
 from __future__ import annotations
 
-import logging
 import pickle
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
@@ -19,10 +19,11 @@ import torch
 from ..comm.base import Comm
 from .base import (Action, Policy, SetAggregator, SetBatchSize, SetDataShares, SetGossipPeers, SetLearningRate,
                    TrainContext, action_from_dict)
+from ..log import logger as pdv_logger
 from .gns import lr_factor
 from .shares import check_shares
 
-log = logging.getLogger("pdv_ext.policy")
+log = pdv_logger.getChild("policy")
 
 
 class PolicyError(RuntimeError):
@@ -121,8 +122,10 @@ class PolicyRunner:
         applied = []
         for item in payload.get("actions", []):
             action = action_from_dict(item["action"])
-            self._apply(action, item)
+            effect = self._apply(action, item)
             self.action_log.append((step, action.to_dict()))
+            if self.comm.rank == 0:
+                log.info("step %d: policy '%s' applied %s: %s", step, action.source, _action_text(action), effect)
             applied.append(action)
         return applied
 
@@ -191,37 +194,52 @@ class PolicyRunner:
         return pickle.loads(buf.cpu().numpy().tobytes())
 
     # ---- every rank -----------------------------------------------------------------------------
-    def _apply(self, action: Action, item: Dict[str, Any]) -> None:
+    def _apply(self, action: Action, item: Dict[str, Any]) -> str:
+        """Apply `action` on this rank; returns what changed, for the log line."""
         ap = self.applier
+        lr0 = _first(ap.get_lr())
         if isinstance(action, SetBatchSize):
-            mbs0, mb0, _ = ap.batch_geometry()
+            mbs0, mb0, dp = ap.batch_geometry()
             mb, mbs = _or(action.micro_batches, mb0), _or(action.micro_batch_size, mbs0)
             if mb < 1 or mbs < 1:
                 raise ValueError(f"SetBatchSize from '{action.source}': sizes must be >= 1 (got {mb}, {mbs})")
-            if (mb, mbs) != (mb0, mbs0):
-                ap.set_batch_size(mb, mbs)
-                self._scale_lr(float(item.get("lr_factor", 1.0)))
-        elif isinstance(action, SetLearningRate):
+            if (mb, mbs) == (mb0, mbs0):
+                return "no change"
+            ap.set_batch_size(mb, mbs)
+            self._scale_lr(float(item.get("lr_factor", 1.0)))
+            return (f"batch {mbs0 * mb0 * dp} -> {mbs * mb * dp} (micro_batches {mb0} -> {mb}, micro_batch_size "
+                    f"{mbs0} -> {mbs}), lr {lr0:.4g} -> {_first(ap.get_lr()):.4g}")
+        if isinstance(action, SetLearningRate):
             if action.lr is not None:
                 self.base_lrs = [float(action.lr)] * len(ap.get_lr())
                 self.lr_scale = 1.0
             if action.scale is not None:
                 self.lr_scale *= float(action.scale)
             self._write_lr()
-        elif isinstance(action, SetAggregator):
+            return f"lr {lr0:.4g} -> {_first(ap.get_lr()):.4g} (scale on the scheduler's LR now {self.lr_scale:.4g})"
+        if isinstance(action, SetAggregator):
             ap.set_aggregator(action.spec)
-        elif isinstance(action, SetGossipPeers):
+            return f"aggregator -> {action.spec}"
+        if isinstance(action, SetGossipPeers):
             ap.set_gossip_peers(int(action.peers))
-        elif isinstance(action, SetDataShares):
+            return f"gossip peers -> {int(action.peers)}"
+        if isinstance(action, SetDataShares):
             _, mb, dp = ap.batch_geometry()
+            before = ap.data_shares()
             shares = None if action.shares is None else check_shares(action.shares, dp, mb * dp,
                                                                       what=f"SetDataShares from '{action.source}'")
             if shares is not None and len(set(shares)) == 1:
                 shares = None  # the equal split is DeepSpeed's own (bit for bit)
-            if shares != ap.data_shares():
-                ap.set_data_shares(shares)
-        else:
-            raise TypeError(f"unknown action {action!r}")
+            if shares == before:
+                return "no change"
+            ap.set_data_shares(shares)
+            return f"data shares {before or 'equal'} -> {shares or 'equal'} (micro-batches per replica)"
+        raise TypeError(f"unknown action {action!r}")
+
+    def sync_lr(self) -> None:
+        """Call after every step (not only on agreement steps): an LR scheduler that moved the LR resets it
+        to its own value, and the policies' scale must be on it before the next step uses it."""
+        self._sync_lr()
 
     def _sync_lr(self) -> None:
         """An LR scheduler (or the user) moved the LR since we last wrote it: that is the new base."""
@@ -284,6 +302,16 @@ class PolicyRunner:
         self.step = state["step"]
         self._queue, self._queued_errors = list(state.get("queue", [])), list(state.get("queued_errors", []))
         self._stop, self._geom = state.get("stop"), state.get("geom")
+
+
+def _first(lrs: Sequence[float]) -> float:
+    return float(lrs[0]) if lrs else float("nan")
+
+
+def _action_text(action: Action) -> str:
+    """`SetBatchSize(micro_batches=8, lr_rule='sqrt')`: the action's values that were given."""
+    values = {k: v for k, v in action.to_dict().items() if k not in ("action", "source") and v is not None}
+    return f"{type(action).__name__}({', '.join(f'{k}={v!r}' for k, v in values.items())})"
 
 
 def _or(value: Optional[int], default: int) -> int:

@@ -1,4 +1,4 @@
-"""Rank side of tests/integration/test_startup_summary.py: `pdv_ext.initialize` with DeepSpeed's logger
+"""Rank side of tests/integration/test_startup_summary.py: `pdv_ext.initialize` with pdv_ext's logger
 captured, the config given as `--deepspeed_config` (args)."""
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ def init_and_capture(config_path: str) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
     from deepspeed.pipe import PipelineModule
-    from deepspeed.utils import logger
 
     import pdv_ext
+    from pdv_ext.log import logger
     from pdv_ext.models import mlp_layers, seed_layer
 
     seen = []
@@ -41,8 +41,8 @@ def init_and_capture(config_path: str) -> Dict[str, Any]:
     engine, _, _, _ = pdv_ext.initialize(args=args, model=model, model_parameters=model.parameters())
     return {"rank": dist.get_rank(), "stage": engine.stage_id, "args_config": args.deepspeed_config,
             "summary": engine.pdv_startup_summary,
-            "lines": [m for lvl, m in seen if m.startswith("pdv_ext: ")],
-            "levels": sorted({lvl for lvl, m in seen if m.startswith("pdv_ext: ")})}
+            "lines": [m for lvl, m in seen],
+            "levels": sorted({lvl for lvl, m in seen})}
 
 
 def write_config(path: str, pdv: Dict[str, Any]) -> str:

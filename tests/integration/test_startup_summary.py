@@ -1,5 +1,5 @@
 """`pdv_ext.initialize` says that pdv_ext took over (issue #21 item 4): rank 0 logs one line per capability
-in use through DeepSpeed's logger, the aggregator stage by stage where stages differ; other ranks log none
+in use, at INFO through pdv_ext's logger, the aggregator stage by stage where stages differ; other ranks log none
 of it. The caller's `args.deepspeed_config` is left as it was."""
 import logging
 
@@ -23,8 +23,8 @@ def test_rank0_logs_what_pdv_set_up_and_other_ranks_do_not(tmp_path):
     res = {r["rank"]: r for r in run_ranks("tests.integration.summary_workers:init_and_capture", 2,
                                             {"config_path": path}, timeout=200)}
     assert res[1]["lines"] == []  # only rank 0 speaks
-    lines = res[0]["lines"]
-    assert res[0]["levels"] == [logging.WARNING]
+    lines = ["pdv_ext: " + line for line in res[0]["lines"]]  # logged without the prefix (the format names it)
+    assert res[0]["levels"] == [logging.INFO]
     assert lines[0] == "pdv_ext: engine PDVPipelineEngine: 2 stages x 1 data-parallel replica (2 ranks)"
     # the plan maps stage 0 to rank 1 and stage 1 to rank 0; the factory builds `mean` on rank 0, `median`
     # on rank 1: so stage 0 runs median and stage 1 mean, each gathered from its stage's rank

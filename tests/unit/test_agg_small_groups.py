@@ -165,6 +165,14 @@ def test_bind_warns_before_the_first_step():
 
 # ---- pdv check-config --world-size N --stages S ------------------------------------------------------------------
 def _write(tmp_path, section, name="ds.json"):
+    """The config file; a `"cluster": "c.yaml"` in it becomes a real cluster YAML of 8 devices (what the
+    launch, and so check-config, reads) with a profile input shape."""
+    placement = section.get("placement", {})
+    if placement.get("cluster") == "c.yaml":
+        c = tmp_path / "c.yaml"
+        c.write_text("hosts: [{name: h, devices: 8, throughput: 1.0}]\n"
+                     "links: {intra_host: {bandwidth: 1 GB/s, latency: 10us}}\n")
+        section = {**section, "placement": {**placement, "cluster": str(c), "input_shape": [4, 16]}}
     p = tmp_path / name
     p.write_text(json.dumps({"train_batch_size": 8, "pdv": section}))
     return str(p)
@@ -200,6 +208,9 @@ def test_check_config_topology_errors_name_the_key_and_exit_2(tmp_path, capsys, 
 def test_check_config_stages_default_to_the_placement_section(tmp_path, capsys):
     p = _write(tmp_path, {"aggregation": {"type": "gossip", "peers": 2},
                           "placement": {"num_stages": 2, "cluster": "c.yaml"}})
+    assert check_config([p, "--world-size", "8"]) == 0  # the cluster's 8 devices, 2 stages: groups of 4
+    assert capsys.readouterr().out.splitlines() == ["ok"]
+    p = _write(tmp_path, {"aggregation": {"type": "gossip", "peers": 2}, "placement": {"boundaries": [0, 2, 4]}})
     assert check_config([p, "--world-size", "4"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out == ["warning: pdv.aggregation.peers=2 clamped to 1 for a data-parallel group of 2 "

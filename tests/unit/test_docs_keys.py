@@ -58,10 +58,9 @@ def all_sections() -> Dict[str, List[str]]:
         if options is not None:
             schema_keys(options, f"pdv.aggregation (type: {name})", sections)
     try:
-        from pdv_ext.policy.base import POLICIES, _load_builtins
+        from pdv_ext.policy import POLICIES  # the package registers the built-in policies
     except ImportError:
         return sections
-    _load_builtins()
     for name in POLICIES.names():
         cls = POLICIES.get(name)
         options = getattr(cls, "Options", None)

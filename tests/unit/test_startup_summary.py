@@ -79,27 +79,39 @@ def test_start_up_plan_and_explicit_placement_sources():
     assert S.startup_lines(eng, [S.local_facts(eng)] * 2, cfg)[2].endswith("(explicit boundaries; solver dp)")
 
 
-@pytest.mark.parametrize("level, shown", [("info", True), ("warning", True), ("error", False)])
-def test_deepspeeds_log_level_applies(level, shown):
-    from deepspeed.utils import logger, set_log_level_from_string
+@pytest.mark.parametrize("log_level, shown", [(None, True), ("info", True), ("warning", False), ("error", False)])
+def test_logged_at_info_by_pdv_exts_logger_and_quiet_with_the_configs_log_level(log_level, shown):
+    """Visible by default without being a warning: pdv_ext's own logger at INFO with its own handler; the
+    DeepSpeed config's "log_level" (applied by pdv_ext.initialize) quiets it, as it quiets DeepSpeed."""
+    from pdv_ext.log import apply_log_level, logger
 
     seen = []
 
     class Capture(logging.Handler):
         def emit(self, record):
-            seen.append(record.getMessage())
+            seen.append((record.levelno, record.getMessage()))
 
     handler, old = Capture(), logger.level
     logger.addHandler(handler)
-    set_log_level_from_string(level)
     try:
+        assert logger.getEffectiveLevel() == logging.INFO and not logger.propagate
+        assert any(getattr(h, "_pdv_ext", False) for h in logger.handlers)  # shown with no set-up by the user
+        apply_log_level({"log_level": log_level} if log_level else {})
         eng = _engine(load_pdv({}))
         lines = S.log_startup(eng)  # no process group: this process is rank 0 of one
     finally:
         logger.removeHandler(handler)
-        set_log_level_from_string(logging.getLevelName(old).lower())
+        logger.setLevel(old)
     assert eng.pdv_startup_summary == lines and len(lines) == 2
-    assert seen == (lines if shown else [])
+    assert seen == ([(logging.INFO, line[len(S.PREFIX):]) for line in lines] if shown else [])
+
+
+def test_a_module_class_policy_is_named_as_the_config_names_it():
+    from pdv_ext.policy import build_policy
+
+    pol = build_policy({"name": "launch.my_policy:PlateauLR", "patience": 20})
+    assert S.describe(pol).startswith("launch.my_policy:PlateauLR(patience=20, ")
+    assert S.describe(build_policy({"name": "schedule"})) == "schedule(changes=[])"
 
 
 def test_args_deepspeed_config_is_hidden_only_while_deepspeed_initialize_runs(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ from typing import Any, List, Optional
 import numpy as np
 
 from ..plan import Plan
-from . import divisors_widths, register_solver
+from .base import divisors_widths, register_solver
 
 
 def row_major_groups(num_devices: int, num_stages: int) -> List[List[int]]:

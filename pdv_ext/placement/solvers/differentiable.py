@@ -26,8 +26,8 @@ from ..cluster import Cluster
 from ..cost import OPTIMIZER_STATE_FACTOR, evaluate, stage_params
 from ..plan import Plan
 from ..profile import Profile
-from . import divisors_widths, register_solver
-from .dp import candidate_chains
+from .base import divisors_widths, register_solver
+from .dp import ChainDP, candidate_chains
 
 
 def _chain_tensors(sps):
@@ -59,8 +59,6 @@ class _Scorer:
     """Fast cost of (bounds, chain k) with the DP's prefix-sum arithmetic (same numbers as cost.evaluate)."""
 
     def __init__(self, profile, chains, sps, micro_batches):
-        from .dp import ChainDP
-
         self.dps = [ChainDP(profile, sp) for sp in sps]
         self.b1 = micro_batches - 1
 

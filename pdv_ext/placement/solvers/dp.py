@@ -36,7 +36,7 @@ from ..cluster import Cluster
 from ..cost import OPTIMIZER_STATE_FACTOR, StageParams, stage_params
 from ..plan import Plan
 from ..profile import Profile
-from . import divisors_widths, register_solver
+from .base import divisors_widths, register_solver
 
 INF = float("inf")
 

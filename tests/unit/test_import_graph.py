@@ -1,0 +1,165 @@
+"""No import circles among pdv_ext's modules (issue #27 item 3).
+
+The graph is built from the source with `ast`, not by importing: every `import` / `from ... import` of a
+pdv_ext module counts, at module level or inside a function or class (a circle through a function-level
+import is still a circle: it only moves the failure to whenever that function first runs).
+
+How an import statement maps to edges (importer -> imported module):
+
+* `import pdv_ext.a.b` -> `pdv_ext.a.b` (the deepest prefix that is a module of the package);
+* `from P import x` (absolute or relative; `.` is the importer's package, a package's `__init__` being
+  the package itself) -> `P.x` when `P.x` is a module (a submodule import), else -> `P` (a name that
+  `P`'s module, or its package `__init__`, defines or re-exports);
+* the parent packages Python initialises first (`pdv_ext.a` before `pdv_ext.a.b`) are NOT edges: with them,
+  every package `__init__` that re-exports its submodules would form a circle with each of them. So a
+  package `__init__` importing its submodules is no circle by itself; it is one when such a submodule
+  imports back a name *from the package* (`from . import name`, `from pdv_ext.a import name`).
+* imports through `importlib.import_module("...")` strings (the package's lazy `__getattr__`, the CLI's
+  sub-command table) are not seen: they name no module the source can resolve statically.
+"""
+from __future__ import annotations
+
+import ast
+import textwrap
+from pathlib import Path
+from typing import Dict, List, Set, Tuple
+
+import pdv_ext
+
+PACKAGE_DIR = Path(pdv_ext.__file__).parent
+
+Edge = Tuple[str, str, str]  # importer, imported, "file:line"
+
+
+def modules_of(package_dir: Path) -> Dict[str, Tuple[Path, bool]]:
+    """module name -> (source file, is a package `__init__`)."""
+    root = package_dir.parent
+    mods = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        mods[".".join(parts[:-1] if is_pkg else parts)] = (path, is_pkg)
+    return mods
+
+
+def import_edges(package_dir: Path) -> List[Edge]:
+    """Every import of one of the package's modules by another, mapped as the module docstring says."""
+    mods = modules_of(package_dir)
+    top = package_dir.name
+
+    def deepest(name: str) -> str:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name
+
+    edges: List[Edge] = []
+    for importer, (path, is_pkg) in mods.items():
+        package = importer if is_pkg else importer.rpartition(".")[0]
+        where = path.relative_to(package_dir.parent)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            targets: List[str] = []
+            if isinstance(node, ast.Import):
+                targets = [deepest(a.name) for a in node.names if a.name.split(".")[0] == top]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    parts = package.split(".")
+                    if node.level - 1 >= len(parts):
+                        continue  # beyond the top package: not ours
+                    base = ".".join(parts[:len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                if base.split(".")[0] != top:
+                    continue
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else deepest(base) for a in node.names]
+            for target in targets:
+                if target and target != importer:
+                    edges.append((importer, target, f"{where}:{node.lineno}"))
+    return edges
+
+
+def import_loops(edges: List[Edge]) -> List[List[str]]:
+    """The circles: strongly connected components of more than one module (Tarjan), each sorted."""
+    graph: Dict[str, Set[str]] = {}
+    for a, b, _ in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    loops: List[List[str]] = []
+
+    def visit(v: str) -> None:  # recursion depth <= number of modules (a few hundred)
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                loops.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(loops)
+
+
+def describe(loop: List[str], edges: List[Edge]) -> str:
+    """One circle as its modules and the import statements that tie them."""
+    members = set(loop)
+    ties = sorted({f"    {where}: {a} imports {b}" for a, b, where in edges if a in members and b in members})
+    return " <-> ".join(loop) + "\n" + "\n".join(ties)
+
+
+def test_pdv_ext_has_no_import_loops():
+    edges = import_edges(PACKAGE_DIR)
+    assert len({a for a, _, _ in edges}) > 50  # the walk saw the package (not an empty or wrong directory)
+    loops = import_loops(edges)
+    assert not loops, (f"{len(loops)} import loop(s) among pdv_ext's modules; untie each at its cause (a function "
+                       "in the wrong module, a registry loading its built-ins), not by moving an import into a "
+                       "function:\n" + "\n".join(describe(loop, edges) for loop in loops))
+
+
+def _package(tmp_path: Path, files: Dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = tmp_path / "pdv_ext" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return tmp_path / "pdv_ext"
+
+
+def test_finds_loops_through_functions_relative_imports_and_package_names(tmp_path):
+    pkg = _package(tmp_path, {
+        "__init__.py": "",
+        "config.py": "from .policy.config import PolicyConfig\n",
+        "policy/__init__.py": "from .base import Policy\nfrom . import builtin\n",
+        "policy/config.py": "def check():\n    from ..config import cross_check\n",  # loop 1: through a function
+        "policy/base.py": "import pdv_ext.registry\n",
+        "policy/builtin/__init__.py": "from . import one\n",
+        "policy/builtin/one.py": "from ..base import Policy\n",  # re-exported by __init__: no loop
+        "solvers/__init__.py": "REG = {}\nfrom . import dp\n",
+        "solvers/dp.py": "from . import REG\n",  # loop 2: a name defined by the package's __init__
+        "registry.py": "import os\nfrom os import path\n",
+    })
+    edges = import_edges(pkg)
+    assert ("pdv_ext.policy.config", "pdv_ext.config", "pdv_ext/policy/config.py:2") in edges
+    assert ("pdv_ext.policy.base", "pdv_ext.registry", "pdv_ext/policy/base.py:1") in edges
+    assert ("pdv_ext.policy", "pdv_ext.policy.builtin", "pdv_ext/policy/__init__.py:2") in edges
+    assert ("pdv_ext.solvers.dp", "pdv_ext.solvers", "pdv_ext/solvers/dp.py:1") in edges
+    assert not [e for e in edges if e[0] == "pdv_ext.registry"]  # stdlib imports are not ours
+    loops = import_loops(edges)
+    assert loops == [["pdv_ext.config", "pdv_ext.policy.config"], ["pdv_ext.solvers", "pdv_ext.solvers.dp"]]
+    text = describe(loops[0], edges)
+    assert "pdv_ext/policy/config.py:2: pdv_ext.policy.config imports pdv_ext.config" in text
