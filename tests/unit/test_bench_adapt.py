@@ -1,0 +1,85 @@
+"""`pdv bench adapt`'s parts that need no emulated cluster: the scenario file, the oracle's split, the
+figures computed from a run's per-step times and the emulator's events log, and the plot."""
+import json
+import os
+
+import pytest
+
+from pdv_ext.bench import adapt
+from pdv_ext.config_base import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCENARIOS = os.path.join(ROOT, "launch", "scenarios")
+
+
+@pytest.mark.parametrize("name", ["dp4_straggler", "transient", "calm"])
+def test_shipped_scenarios_load(name):
+    sc, cluster, _, spec, events = adapt.load_scenario(os.path.join(SCENARIOS, f"{name}.yaml"))
+    assert sc.run.pipe * sc.run.data == len(cluster) == len(spec.devices)
+    assert [e.at for e in events] == sorted(e.at for e in events)
+
+
+def test_oracle_is_the_split_for_the_speeds_after_the_last_event():
+    sc, cluster, _, _, events = adapt.load_scenario(os.path.join(SCENARIOS, "dp4_straggler.yaml"))
+    assert adapt.final_throughputs(cluster, events) == [1.0, 1.0, 1.0, 0.33]
+    assert adapt.oracle_shares(cluster, events, sc.run) == [5, 5, 5, 1]
+    sc, cluster, _, _, events = adapt.load_scenario(os.path.join(SCENARIOS, "transient.yaml"))
+    assert adapt.oracle_shares(cluster, events, sc.run) is None  # it recovers: the equal split
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "s.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_bad_scenarios_are_one_line_each(tmp_path):
+    cluster = os.path.join(ROOT, "launch", "clusters", "emulated_4equal.yaml")
+    with pytest.raises(ConfigError) as e:
+        adapt.load_scenario(_write(tmp_path, f"cluster: {cluster}\nrun: {{data: 4, steps: 5, micro_batchs: 2}}\n"))
+    assert any("run.micro_batchs" in line for line in e.value.errors)
+    with pytest.raises(ConfigError) as e:
+        adapt.load_scenario(_write(tmp_path, f"cluster: {cluster}\nrun: {{data: 2, steps: 5}}\n"))
+    assert "pipe x data = 2 ranks, but the cluster has 4 devices" in e.value.errors[0]
+    with pytest.raises(ConfigError) as e:
+        adapt.load_scenario(_write(tmp_path, f"cluster: {cluster}\nrun: {{data: 4, steps: 5}}\n"
+                                             "events: [{at: 1s, device: d9, throughput: 0.5}]\n"))
+    assert "unknown device 'd9'" in e.value.errors[0]
+    with pytest.raises(ConfigError) as e:
+        adapt.load_scenario(_write(tmp_path, f"cluster: {cluster}\nrun: {{data: 4, steps: 5, policy: "
+                                             "{plugins: [{name: rebalnce}]}}\n"))
+    assert "rebalnce" in e.value.errors[0] and "did you mean 'rebalance'" in e.value.errors[0]
+
+
+def _result():
+    # 10 steps of 1 s (batch 64) from t=100, an event hit during step 4, a change decided after step 6
+    ends = [100.0 + i for i in range(1, 11)]
+    return {"start": 100.0, "ends": ends, "durations": [1.0] * 3 + [2.0] * 3 + [1.0] * 4, "global_batch": 64,
+            "decisions": [{"step": 6, "shares": [3, 1]}], "shares": [None] * 6 + [[3, 1]] * 4, "samples": 640,
+            "held_out_loss": 2.0}
+
+
+def test_phases_event_steps_and_adaptation_delay():
+    res = _result()
+    log = [{"index": 0, "applied": True, "wall": 103.5}, {"index": 1, "applied": False, "wall": None}]
+    assert adapt.event_steps(res, log) == [4, None]
+    ph = adapt.phases(res, log)
+    assert [p["steps"] for p in ph] == [3, 7]
+    assert ph[0]["samples_per_s"] == pytest.approx(64.0) and ph[1]["samples_per_s"] == pytest.approx(64 * 7 / 10)
+    d = adapt.adaptation_delays(res, [4], every=2)[0]
+    assert (d["event_step"], d["adapted_at_step"], d["steps"], d["agreement_steps"]) == (4, 6, 3, 2)
+
+
+def test_plot_draws_the_three_runs(tmp_path):
+    from pdv_ext.plot import plot_adapt
+
+    res = _result()
+    res["events_log"] = [{"index": 0, "applied": True, "wall": 103.5}]
+    full = {"scenario": "x", "events": [{"at": 3.5, "device": "d3", "throughput": 0.33}], "adaptive_vs_static": 0.6,
+            "static": {"wall_seconds": 20.0}, "adaptive": {"wall_seconds": 12.0},
+            "series": {"static": res, "adaptive": res, "oracle": res}}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(full))
+    out = tmp_path / "r.png"
+    assert plot_adapt(str(path), str(out)) == ["static", "oracle", "adaptive"]
+    assert out.stat().st_size > 10_000
