@@ -102,3 +102,48 @@ def train_shares(mode: str, runs: List[Dict[str, Any]], steps: int = 2, stages: 
     steps_idx = [ref_it.indices(s * total * micro_batch, total * micro_batch) for s in range(steps)]
     out["reference"], out["reference_losses"] = _reference(layers, hidden, seed, lr, steps_idx)
     return out
+
+
+def resume_with_shares(ckpt_dir: str, steps: int = 5, save_at: int = 3, stages: int = 2, micro_batch: int = 4,
+                       grad_acc: int = 3, seed: int = 7) -> Dict[str, Any]:
+    """Unequal shares from the config, another split set at a step boundary, a checkpoint, then a fresh
+    engine built with equal shares that loads it: what the resumed steps see and compute."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.pipe import PipelineModule
+
+    import pdv_ext
+    from pdv_ext.models import mlp_layers, seed_layer
+    from pdv_ext.policy.data import ElasticBatches
+    from pdv_ext.policy.engine import EngineApplier
+
+    from tests.integration.engine_mode_workers import mode_config
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    dp = dist.get_world_size() // stages
+    out: Dict[str, Any] = {}
+    for label in ("full", "resumed"):
+        torch.manual_seed(seed)
+        model = PipelineModule(layers=mlp_layers(4, 16, D_IN, D_OUT), num_stages=stages,
+                               loss_fn=torch.nn.CrossEntropyLoss(), seed_layers=True, seed_fn=seed_layer,
+                               base_seed=seed, partition_method="uniform")
+        cfg = mode_config("fp32", micro_batch, grad_acc, dp, 1e-2, "AdamW")
+        cfg["pdv"] = {"data_shares": [5, 1] if label == "full" else "equal", "policy": {"monitor": {"enabled": True}}}
+        eng = pdv_ext.initialize(model=model, config=cfg, model_parameters=[p for p in model.parameters()])[0]
+        data = ElasticBatches.for_engine(eng, _dataset(), seed=seed, record=True)
+        start = 0
+        if label == "resumed":
+            eng.load_checkpoint(ckpt_dir)
+            start = eng.global_steps
+        losses, shares = {}, {}
+        for step in range(start, steps):
+            if label == "full" and step == 2:
+                EngineApplier(eng).set_data_shares([2, 4])
+            losses[step + 1] = float(eng.train_batch(data_iter=data))
+            shares[step + 1] = None if eng.data_shares is None else list(eng.data_shares)
+            if label == "full" and step + 1 == save_at:
+                eng.save_checkpoint(ckpt_dir)
+        out[label] = {"losses": losses, "shares": shares, "seen": list(data.seen), "position": data.position,
+                      "stage": eng.stage_id, "weights": {n: p.detach().clone() for n, p in eng.module.named_parameters()}}
+        del eng
+    return out

@@ -46,3 +46,21 @@ def test_every_split_gives_the_whole_batch_gradient(mode, rtol, atol):
     # the first stage of each replica read its slice: together every position of the 2 global batches, once
     for label, seen in positions.items():
         assert sorted(seen) == list(range(2 * 6 * 4)), label
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_with_unequal_shares_resumes_exactly(tmp_path):
+    res = run_ranks("tests.integration.shares_workers:resume_with_shares", 4, dict(ckpt_dir=str(tmp_path / "ck")),
+                    timeout=280)
+    for r in res:
+        full, resumed = r["full"], r["resumed"]
+        assert full["shares"] == {1: [5, 1], 2: [5, 1], 3: [2, 4], 4: [2, 4], 5: [2, 4]}
+        assert sorted(resumed["losses"]) == [4, 5]
+        assert resumed["shares"] == {4: [2, 4], 5: [2, 4]}  # restored over the config's equal split
+        for step, loss in resumed["losses"].items():
+            assert loss == full["losses"][step]  # bit for bit
+        assert resumed["position"] == full["position"]
+        assert all(torch.equal(resumed["weights"][n], w) for n, w in full["weights"].items())
+        if r["full"]["stage"] == 0:  # the resumed replica reads what the full run read after the checkpoint
+            cut = len(full["seen"]) - len(resumed["seen"])
+            assert resumed["seen"] == full["seen"][cut:]
