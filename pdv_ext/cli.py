@@ -16,7 +16,7 @@ COMMANDS = {
     "probe": ("pdv_ext.placement.probe:main", "measure devices and links of the launched ranks"),
     "profile": ("pdv_ext.placement.cli:profile_main", "profile the layers of a model"),
     "emulate": ("pdv_ext.emulate.cli:main", "run a command on an emulated heterogeneous cluster"),
-    "plot": ("pdv_ext.plot:main", "plot metrics (pdv plot metrics runs/X/metrics.csv --out m.png)"),
+    "plot": ("pdv_ext.plot:main", "plot metrics or a bench result (pdv plot metrics|adapt FILE --out m.png)"),
 }
 
 BENCHES = ["engine", "aggregate", "kernels", "byzantine", "convergence", "planner", "adaptive", "adapt", "placement",
