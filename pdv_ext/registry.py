@@ -39,9 +39,8 @@ def load_object(spec: str) -> Any:
         raise RegistryError(f"'{spec}' is not of the form 'module:attribute'")
     try:
         obj: Any = _import_from_cwd_too(module_name)
-    except ImportError as exc:
-        raise RegistryError(f"cannot import module '{module_name}' for '{spec}': {exc} (looked on sys.path, then in "
-                            f"the working directory {os.getcwd()})") from exc
+    except Exception as exc:  # noqa: BLE001 - whatever a user's module raises while it is imported is the error
+        raise RegistryError(_import_failed(module_name, f"for '{spec}'", exc)) from exc
     module = obj
     for part in attr.split("."):
         try:
@@ -50,6 +49,22 @@ def load_object(spec: str) -> Any:
             raise RegistryError(f"module '{module_name}' ({_where(module)}) has no attribute '{attr}' (from "
                                 f"'{spec}'){_shadowed(module_name, module)}") from exc
     return obj
+
+
+def _import_failed(module_name: str, what: str, exc: BaseException) -> str:
+    """Why `module_name` could not be imported: not found (where it was looked for), or found and failing
+    (its file, and the error its code raised)."""
+    what = f" {what}" if what else ""
+    if isinstance(exc, ModuleNotFoundError) and exc.name and module_name.startswith(exc.name):
+        return (f"cannot import module '{module_name}'{what}: {exc} (looked on sys.path, then in the working "
+                f"directory {os.getcwd()})")
+    try:
+        found = importlib.util.find_spec(module_name)
+    except Exception:  # noqa: BLE001 - a parent package that fails to import: no file to name
+        found = None
+    origin = getattr(found, "origin", None)
+    where = f" ({os.path.relpath(origin) if not os.path.relpath(origin).startswith('..') else origin})" if origin else ""
+    return f"importing module '{module_name}'{where}{what} failed: {type(exc).__name__}: {exc}"
 
 
 def _where(module: Any) -> str:
@@ -97,16 +112,15 @@ def import_user_modules(specs: Iterable[str]) -> List[Any]:
             sys.modules[name] = module
             try:
                 unit.loader.exec_module(module)
-            except Exception:
+            except Exception as exc:  # noqa: BLE001
                 del sys.modules[name]
-                raise
+                raise RegistryError(f"importing '{spec}' failed: {type(exc).__name__}: {exc}") from exc
             out.append(module)
             continue
         try:
             out.append(_import_from_cwd_too(spec))
-        except ModuleNotFoundError as exc:
-            raise RegistryError(f"cannot import module '{spec}': {exc} (looked on sys.path, then in the working "
-                                f"directory {os.getcwd()})") from exc
+        except Exception as exc:  # noqa: BLE001 - as in load_object: the user's module's own error, named
+            raise RegistryError(_import_failed(spec, "", exc)) from exc
     return out
 
 

@@ -70,14 +70,15 @@ class Plan:
             return cls.from_dict(json.load(f))
 
     def table(self) -> str:
-        """Stage | layers | devices | compute | comm | engine | link | reduce | update | memory, fixed-width."""
+        """Stage | layers | devices | compute | comm | engine | link | reduce | update | memory, fixed-width.
+        Layers are half-open, `[start, stop)`, as in `boundaries` and the JSON's `stages[].layers`."""
         rows = [("stage", "layers", "devices", "compute ms", "comm ms", "engine ms", "link ms", "reduce ms",
                  "update ms", "memory MiB")]
         for s in self.stages:
             lim = s.get("memory_limit")
             mem = f"{s['memory'] / 2 ** 20:.1f}" + (f"/{lim / 2 ** 20:.0f}" if lim else "")
             devs = ",".join(map(str, s["devices"]))
-            rows.append((str(s["stage"]), f"{s['layers'][0]}-{s['layers'][1] - 1}",
+            rows.append((str(s["stage"]), f"[{s['layers'][0]}, {s['layers'][1]})",  # half-open, as `boundaries`
                          devs if len(devs) <= 24 else devs[:21] + "...",
                          f"{s['compute'] * 1e3:.3f}", f"{s['comm'] * 1e3:.3f}",
                          f"{s.get('engine', 0.0) * 1e3:.3f}", f"{s.get('link', 0.0) * 1e3:.3f}",

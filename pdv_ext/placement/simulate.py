@@ -22,6 +22,11 @@ DeepSpeed's `TrainSchedule` gives that stage, in time order (always the actor fu
 - after the pipeline: each stage's gradient reduction once all its replicas are done, then every device's
   parameter update; DeepSpeed's gradient clipping all-reduces the norm over all stages, so the step ends
   with the slowest update after the last reduction.
+
+`schedule="gpipe"` replays the same instructions in GPipe's order instead (every micro-batch's forward,
+then every backward), for the pictures of `pdv plan --plot --schedule gpipe`. With `keep_trace` the result
+holds every instruction's span (`spans`) and every message's time on its link (`messages`): what
+`placement.gantt` draws.
 """
 from __future__ import annotations
 
@@ -38,6 +43,21 @@ FORWARD_SHARE = 1.0 / 3.0  # forward's share of forward + backward when the prof
 
 
 @dataclass
+class Message:
+    """One activation ("act") or gradient ("grad") message of micro-batch `mb` from actor `src` (stage,
+    replica) to actor `dst`: on its link from `wire_start` until `wire_end` (bytes / bandwidth; after the
+    link's previous message left), received data available at `arrives` (+ latency)."""
+
+    kind: str
+    mb: int
+    src: Tuple[int, int]
+    dst: Tuple[int, int]
+    wire_start: float
+    wire_end: float
+    arrives: float
+
+
+@dataclass
 class Replay:
     step_time: float
     pipeline_time: float                   # the last stage instruction's end (before reductions and updates)
@@ -45,6 +65,13 @@ class Replay:
     tail: List[float]                      # per stage: reduction + update after it
     busy: List[float]                      # per stage: time in its own work (not waiting)
     trace: Optional[List[List[Tuple[str, float, float]]]] = field(default=None, repr=False)
+    #: with keep_trace: [stage][replica] -> (instruction, micro-batch, start of its work, end), waits excluded
+    spans: Optional[List[List[List[Tuple[str, int, float, float]]]]] = field(default=None, repr=False)
+    messages: Optional[List[Message]] = field(default=None, repr=False)
+    reduce: Optional[List[float]] = field(default=None, repr=False)   # per stage: its reduction's duration
+    update: Optional[List[List[float]]] = field(default=None, repr=False)  # [stage][replica]: update duration
+    reduced: float = 0.0                   # when the last reduction ends (every update starts then)
+    schedule: str = "1f1b"
 
 
 def _schedule(micro_batches: int, stages: int, stage_id: int) -> List[str]:
@@ -57,10 +84,23 @@ def _schedule(micro_batches: int, stages: int, stage_id: int) -> List[str]:
     return names
 
 
+def _gpipe_schedule(micro_batches: int, stages: int, stage_id: int) -> List[str]:
+    """GPipe's order of the same instructions: every micro-batch's forward, then every backward."""
+    first, last = stage_id == 0, stage_id == stages - 1
+    fwd = ([] if first else ["RecvActivation"]) + ["ForwardPass"] + ([] if last else ["SendActivation"])
+    bwd = ([] if last else ["RecvGrad"]) + ["BackwardPass"] + ([] if first else ["SendGrad"])
+    return fwd * micro_batches + bwd * micro_batches
+
+
+SCHEDULES = {"1f1b": _schedule, "gpipe": _gpipe_schedule}
+
+
 def replay(profile: Profile, cluster: Cluster, boundaries: Sequence[int], groups: Sequence[Sequence[int]],
-           micro_batches: int, aggregator: str = "mean", keep_trace: bool = False) -> Replay:
+           micro_batches: int, aggregator: str = "mean", keep_trace: bool = False, schedule: str = "1f1b") -> Replay:
     """Replay one training step of the plan (`boundaries`: DeepSpeed parts; `groups[s]`: stage s's devices,
-    replica r of every stage forming pipeline r) under DeepSpeed's 1F1B schedule."""
+    replica r of every stage forming pipeline r) under DeepSpeed's 1F1B schedule (or GPipe's order)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule '{schedule}' (one of {', '.join(SCHEDULES)})")
     arr = profile.arrays()
     n_st = len(groups)
     if list(boundaries)[0] != 0 or list(boundaries)[-1] != len(profile) or len(boundaries) != n_st + 1 \
@@ -104,11 +144,14 @@ def replay(profile: Profile, cluster: Cluster, boundaries: Sequence[int], groups
     arrivals: Dict[tuple, List[float]] = {}
     taken: Dict[tuple, int] = {}
     actors = [(s, r) for r in range(width) for s in range(n_st)]
-    progs = {a: _schedule(micro_batches, n_st, a[0]) for a in actors}
+    progs = {a: SCHEDULES[schedule](micro_batches, n_st, a[0]) for a in actors}
     pc = {a: 0 for a in actors}
     clock = {a: 0.0 for a in actors}
     busy = {a: 0.0 for a in actors}
     trace = {a: [] for a in actors} if keep_trace else None
+    spans = {a: [] for a in actors} if keep_trace else None
+    messages: Optional[List[Message]] = [] if keep_trace else None
+    done: Dict[tuple, int] = {}  # (actor, instruction) -> how many ran: the k-th of a kind is micro-batch k
     step_of = {"RecvActivation": -1, "RecvGrad": +1, "SendActivation": +1, "SendGrad": -1}
 
     def runnable(a) -> bool:
@@ -138,12 +181,17 @@ def replay(profile: Profile, cluster: Cluster, boundaries: Sequence[int], groups
             start = max(t, free.get(key, 0.0))  # waits for the link's previous message to leave
             free[key] = start + nbytes / bw
             arrivals.setdefault((a, peer), []).append(start + nbytes / bw + lat)
+            if messages is not None:
+                messages.append(Message("act" if name == "SendActivation" else "grad", done.get((a, name), 0), a,
+                                        peer, start, start + nbytes / bw, start + nbytes / bw + lat))
         else:
             start = t
         end = start + cost[a].get(name, 0.0)
         busy[a] += end - start
         if trace is not None:
             trace[a].append((name, t, end))
+            spans[a].append((name, done.get((a, name), 0), start, end))
+        done[(a, name)] = done.get((a, name), 0) + 1
         clock[a] = end
         pc[a] += 1
     if any(pc[a] < len(progs[a]) for a in actors):
@@ -151,8 +199,12 @@ def replay(profile: Profile, cluster: Cluster, boundaries: Sequence[int], groups
     params = [float(arr["param_bytes"][boundaries[s]:boundaries[s + 1]].sum()) for s in range(n_st)]
     upd = [float(arr["update"][boundaries[s]:boundaries[s + 1]].sum()) for s in range(n_st)]
     finish = [max(clock[(s, r)] for r in range(width)) for s in range(n_st)]
-    reduced = max(finish[s] + float(sp.reduce(s, params[s])) for s in range(n_st))
-    update = max((upd[s] + eng_step) / cluster.speed(dev(s, r)) for s, r in actors)
+    reduce = [float(sp.reduce(s, params[s])) for s in range(n_st)]
+    reduced = max(finish[s] + reduce[s] for s in range(n_st))
+    updates = [[(upd[s] + eng_step) / cluster.speed(dev(s, r)) for r in range(width)] for s in range(n_st)]
+    update = max(u for row in updates for u in row)
     tail = [reduced + update - finish[s] for s in range(n_st)]
+    per = (lambda d: [[d[(s, r)] for r in range(width)] for s in range(n_st)])
     return Replay(reduced + update, max(finish), finish, tail, [max(busy[(s, r)] for r in range(width)) for s in range(n_st)],
-                  None if trace is None else [[trace[(s, r)] for r in range(width)] for s in range(n_st)])
+                  None if trace is None else per(trace), None if spans is None else per(spans), messages,
+                  reduce, updates, reduced, schedule)

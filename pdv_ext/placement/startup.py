@@ -37,6 +37,7 @@ def load_or_profile(module: Any, pl: Any) -> Profile:
     except ProfileMemoryError as exc:
         raise ConfigError([f"pdv.placement.profile: not given, and the model cannot be profiled at start-up: {exc}"]) from exc
     if pl.profile:
+        os.makedirs(os.path.dirname(os.path.abspath(pl.profile)), exist_ok=True)  # e.g. runs/x/profile.json
         prof.save(pl.profile)
     return prof
 

@@ -20,6 +20,7 @@ import torch
 
 from ..aggregation.base import group_by_dtype, wide_dtype
 from ..comm.base import Comm
+from ..log import logger
 from .config import MonitorConfig
 from .gns import GNSEstimator
 
@@ -242,11 +243,13 @@ class Monitor:
             self._writer.update_last(values)
 
     def open(self, output_dir: str) -> None:
-        """Start writing metrics.csv (+ TensorBoard) under `output_dir` (rank 0; earlier rows included)."""
+        """Start writing metrics.csv (+ TensorBoard) under `output_dir` (rank 0; earlier rows included).
+        Says so in one log line: the start-up summary, logged before, said where the metrics went then."""
         if self.comm.rank != 0:
             return
         self.close()
         self._writer = _Writer(output_dir, self.config.tensorboard, self.config.flush_every)
+        logger.info("monitor -> %s", self._writer.path)
         for row in self.rows:
             self._writer.write(row)
 

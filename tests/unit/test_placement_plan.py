@@ -1,11 +1,11 @@
-"""Plan JSON round trip, table, 1F1B schedule simulation, `pdv plan` / `pdv profile` CLI, config keys."""
+"""Plan JSON round trip, table, `pdv plan` / `pdv profile` CLI, config keys (the plot: test_plan_picture.py)."""
 import json
 import os
 
 import pytest
 
 from pdv_ext.config import validate_pdv
-from pdv_ext.placement.cli import plan_main, profile_main, schedule_1f1b
+from pdv_ext.placement.cli import plan_main, profile_main
 from pdv_ext.placement.cluster import synthetic_cluster
 from pdv_ext.placement.plan import Plan
 from pdv_ext.placement.profile import Profile
@@ -26,19 +26,6 @@ def test_plan_json_round_trip(tmp_path):
     assert "predicted step time" in back.table()
     with pytest.raises(ValueError):
         Plan.from_dict({"boundaries": [0, 1]})
-
-
-def test_1f1b_simulation_within_the_cost_model_bounds():
-    times, b = [1.0, 2.0, 1.5], 6
-    sched = schedule_1f1b(times, b)
-    end = max(e for row in sched for _, _, _, e in row)
-    # the bottleneck stage is busy B * t_max; the cost model's (B-1) t_max + sum t is the upper bound
-    assert b * max(times) <= end <= (b - 1) * max(times) + sum(times) + 1e-9
-    uniform = schedule_1f1b([1.0] * 4, 8)
-    assert max(e for row in uniform for _, _, _, e in row) == pytest.approx(7 + 4)
-    for row in sched:  # each stage runs every micro-batch forward and backward once, without overlap
-        assert sorted((k, m) for k, m, _, _ in row) == sorted([("F", m) for m in range(b)] + [("B", m) for m in range(b)])
-        assert all(row[i][3] <= row[i + 1][2] + 1e-12 for i in range(len(row) - 1))
 
 
 def test_profile_and_plan_cli(tmp_path, capsys):

@@ -134,3 +134,22 @@ def test_a_shadowed_module_is_named_in_the_error(tmp_path):
         f"module 'my_policy' ({scripts / 'my_policy.py'}) has no attribute 'HalveOnPlateau' (from "
         "'my_policy:HalveOnPlateau'); my_policy.py in the working directory has the same module name and was not "
         "imported: rename it")
+
+
+def test_a_plugin_module_that_fails_while_importing_is_named_with_its_error(tmp_path, monkeypatch):
+    from pdv_ext.registry import RegistryError, import_user_modules, load_object
+
+    (tmp_path / "fh_broken_dep.py").write_text("import fh_no_such_dependency\nclass P:\n    pass\n")
+    (tmp_path / "fh_bad_syntax.py").write_text("def f(:\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RegistryError) as exc:
+        load_object("fh_broken_dep:P")
+    assert str(exc.value) == ("importing module 'fh_broken_dep' (fh_broken_dep.py) for 'fh_broken_dep:P' failed: "
+                              "ModuleNotFoundError: No module named 'fh_no_such_dependency'")
+    with pytest.raises(RegistryError) as exc:
+        import_user_modules(["fh_bad_syntax"])
+    assert str(exc.value).startswith("importing module 'fh_bad_syntax' (fh_bad_syntax.py) failed: SyntaxError")
+    with pytest.raises(RegistryError) as exc:
+        import_user_modules(["fh_not_there"])
+    assert str(exc.value).startswith("cannot import module 'fh_not_there': No module named 'fh_not_there' (looked on")

@@ -79,9 +79,21 @@ def test_plot_metrics(tmp_path):
 def test_update_last_and_open_later(tmp_path):
     from pdv_ext.comm import LocalComm
 
+    import logging
+
+    from pdv_ext.log import logger
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
     mon = Monitor(LocalComm(), dp_size=1, config=MonitorConfig(tensorboard=False))
     mon.end_step(1, 2.0, 0.1, 4, 1)
-    mon.open(str(tmp_path))  # rows so far are written too
+    logger.addHandler(handler)
+    try:
+        mon.open(str(tmp_path))  # rows so far are written too
+    finally:
+        logger.removeHandler(handler)
+    assert said == [f"monitor -> {tmp_path / 'metrics.csv'}"]  # the summary had said "in memory"
     mon.end_step(2, 1.5, 0.1, 4, 1)
     mon.update_last(val_loss=1.7)
     mon.end_step(3, 1.2, 0.1, 4, 1)

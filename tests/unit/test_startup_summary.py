@@ -112,6 +112,14 @@ def test_a_module_class_policy_is_named_as_the_config_names_it():
     pol = build_policy({"name": "launch.my_policy:PlateauLR", "patience": 20})
     assert S.describe(pol).startswith("launch.my_policy:PlateauLR(patience=20, ")
     assert S.describe(build_policy({"name": "schedule"})) == "schedule(changes=[])"
+    from pdv_ext.aggregation import Aggregator, build_aggregator
+
+    class Unregistered(Aggregator):  # e.g. built from "module:Class": no registered name
+        def aggregate(self, grads, comm):
+            return grads
+
+    assert S.describe(Unregistered()) == "Unregistered()"  # not the base class's placeholder "base()"
+    assert S.describe(build_aggregator("median")) == "median()"
 
 
 def test_args_deepspeed_config_is_hidden_only_while_deepspeed_initialize_runs(tmp_path, monkeypatch):
