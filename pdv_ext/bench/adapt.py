@@ -8,7 +8,8 @@ took). In one job the same model (same seed, data, global batch and number of sa
 times on the emulated cluster, each a fresh set of ranks under `pdv emulate` with the same timeline:
 
 - *static*: equal data shares, the start-up plan, no policy: leaving things alone;
-- *adaptive*: the scenario's policies (default: `rebalance`, agreeing every 2 steps);
+- *adaptive*: the scenario's policies (default: `rebalance`, agreeing every 2 steps, the Monitor without the
+  noise-scale norms, which `rebalance` does not read);
 - *oracle*: the best static data shares for the cluster after the last event, known in hindsight (the split
   `rebalance` would pick for those speeds, from the start); when that is the equal split the oracle is the
   static run (`oracle_is_static`) and is not run twice.
@@ -39,7 +40,9 @@ from .common import emit, log, parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARTIFACTS = os.path.join(ROOT, "build", "bench-adapt")
-DEFAULT_POLICY = {"every": 2, "plugins": [{"name": "rebalance"}]}
+#: the adaptive run's `pdv.policy` unless the scenario says otherwise: `rebalance` reads the per-rank compute
+#: times only, so the Monitor skips the gradient-noise-scale norms (two passes over the gradients)
+DEFAULT_POLICY = {"every": 2, "monitor": {"gns": False}, "plugins": [{"name": "rebalance"}]}
 
 
 class ModelShape(StrictModel):
