@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/build/torch_extensions
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: setup demo test test-unit test-integration test-gpu docs clean
+.PHONY: setup demo test test-unit test-integration test-wheel test-gpu wheel docs clean
 
 setup:
 	@bash scripts/setup.sh
@@ -15,6 +15,7 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest tests
+	$(PY) -m tests.wheel.check_wheel
 
 test-unit: setup
 	$(PY) -m pytest tests/unit
@@ -22,12 +23,20 @@ test-unit: setup
 test-integration: setup
 	$(PY) -m pytest tests/integration
 
+# the sdist and the wheel built, checked and installed into a fresh venv that runs a smoke test (part of `make test`)
+test-wheel: setup
+	$(PY) -m tests.wheel.check_wheel
+
 # the GPU tier (one CUDA GPU; the multigpu tests need two): kernels, aggregators, engine and profile on CUDA
 test-gpu: setup
 	DS_ACCELERATOR=cuda $(PY) -m pytest tests -m "gpu or multigpu"
+
+# dist/pdv_ext-VERSION.tar.gz and dist/pdv_ext-VERSION-py3-none-any.whl (`pip install dist/pdv_ext-*.whl`)
+wheel: setup
+	$(PY) -m build --outdir dist .
 
 docs: setup
 	$(VENV)/bin/mkdocs build --strict
 
 clean:
-	rm -rf build runs site
+	rm -rf build runs site dist

@@ -5,8 +5,9 @@ working directory: run from the repository root, or put its folder on PYTHONPATH
 
     "pdv": {"policy": {"plugins": [{"name": "launch.my_policy:PlateauLR", "patience": 20}]}}
 
-or register a name for it in your package's setup.py:
-    entry_points={"pdv_ext.policies": ["plateau_lr = my_pkg.my_policy:PlateauLR"]}
+or register a name for it in your package's pyproject.toml:
+    [project.entry-points."pdv_ext.policies"]
+    plateau_lr = "my_pkg.my_policy:PlateauLR"
 
 A policy only decides: its `after_step` runs on rank 0, must not communicate, and returns Actions that
 the runner applies on every rank at the same step (`__init__`, `on_train_begin` and `load_state_dict` run

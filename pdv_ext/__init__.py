@@ -2,6 +2,7 @@
 
 Public names are imported lazily so that `pdv check-config` and other tools start without DeepSpeed.
 """
+#: the one place for the version: pyproject.toml reads it (dynamic version), `pdv --version` prints it
 __version__ = "0.1.0"
 
 __all__ = ["initialize", "PDVPipelineEngine", "apply_placement", "build_aggregator", "register_aggregator",

@@ -1,12 +1,15 @@
 """The `pdv` command: a thin dispatcher; each sub-command lives with its capability.
 
-`pdv bench NAME ...` runs `pdv_ext.bench.<name>:main(argv)` (dashes become underscores).
+`pdv bench NAME ...` runs `pdv_ext.bench.<name>:main(argv)` (dashes become underscores); `pdv --version`
+prints `pdv_ext.__version__`, the one version the package metadata also reads.
 """
 from __future__ import annotations
 
 import importlib
 import sys
 from typing import List, Optional
+
+from . import __version__
 
 COMMANDS = {
     "check-config": ("pdv_ext.config_cli:main", "validate the \"pdv\" section of a config file"),
@@ -24,7 +27,7 @@ BENCHES = ["engine", "aggregate", "kernels", "byzantine", "convergence", "planne
 
 
 def _usage() -> str:
-    lines = ["usage: pdv COMMAND [ARGS...]", "", "commands:"]
+    lines = ["usage: pdv COMMAND [ARGS...] | pdv --version", "", "commands:"]
     lines += [f"  {name:<13} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "benchmarks: " + ", ".join(BENCHES)]
     return "\n".join(lines)
@@ -47,6 +50,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"pdv_ext {__version__}")
+        return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
         if not rest or rest[0].startswith("-"):

@@ -18,6 +18,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from .registry import load_object
+from .source_tree import jit_cache_dir
 
 
 class RankFailed(RuntimeError):
@@ -53,14 +54,17 @@ def shutdown_distributed(barrier: bool = True) -> None:
 
 def default_env() -> Dict[str, str]:
     """Environment for CPU ranks: one thread each (ranks share 2 cores), the CPU accelerator, the
-    project's JIT-extension cache."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return {
+    JIT-extension cache (the checkout's build/, or whatever TORCH_EXTENSIONS_DIR says; an installed
+    package leaves it to torch's default)."""
+    env = {
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(root, "build", "torch_extensions")),
         "PYTHONUNBUFFERED": "1",
     }
+    cache = jit_cache_dir()
+    if cache:
+        env["TORCH_EXTENSIONS_DIR"] = cache
+    return env
 
 
 def run_ranks(target: str, world_size: int, kwargs: Optional[Dict[str, Any]] = None, timeout: float = 120.0,

@@ -49,7 +49,8 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "${PIP[@]}" "torch==$TORCH_VERSION"
 fi
 py_has() { "$PY" -c "import $1" >/dev/null 2>&1; }
-if ! py_has deepspeed || ! py_has mpi4py || ! py_has sklearn || ! py_has pytest_timeout || ! py_has mkdocs || ! py_has triton; then
+if ! py_has deepspeed || ! py_has mpi4py || ! py_has sklearn || ! py_has pytest_timeout || ! py_has mkdocs || ! py_has triton \
+   || ! py_has build; then
   log "installing deepspeed, mpi4py and tools"
   "${PIP[@]}" -r "$ROOT/requirements-dev.txt"
 fi
@@ -64,8 +65,15 @@ if ! "$PY" -c "import horovod.torch" >/dev/null 2>&1 && [ "${PDV_SKIP_HOROVOD:-0
 fi
 
 # --- pdv_ext itself ---------------------------------------------------------------------------------
-if ! "$PY" -c "import pdv_ext, importlib.metadata as m; m.version('pdv_ext')" >/dev/null 2>&1 \
-   || [ setup.py -nt "$VENV/.pdv-installed" ]; then
+# pyproject.toml is read by the venv's own setuptools (no build isolation): it needs >= 77 (PEP 639 license)
+if ! "$PY" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" >/dev/null 2>&1; then
+  log "upgrading setuptools (>= 77 reads pyproject.toml's license fields)"
+  "${PIP[@]}" "setuptools>=77"
+fi
+# (re-)install when missing, when pyproject.toml changed, or when the installed metadata's version is not
+# pdv_ext.__version__ (the one place the version is written)
+if ! "$PY" -c "import sys, pdv_ext, importlib.metadata as m; sys.exit(m.version('pdv_ext') != pdv_ext.__version__)" \
+     >/dev/null 2>&1 || [ pyproject.toml -nt "$VENV/.pdv-installed" ]; then
   log "installing pdv_ext (editable)"
   "${PIP[@]}" --no-deps --no-build-isolation -e "$ROOT"
   touch "$VENV/.pdv-installed"

@@ -1,7 +1,7 @@
 """The aggregators' local math: one API, an implementation per device behind it (docs/kernels.md).
 
 Which implementation answers is decided per call by the tensors:
-- CPU float32/float64 (one dtype per call): fused C++ kernels (`cpu`, `kernels/pdv_kernels.cpp`, JIT-built on
+- CPU float32/float64 (one dtype per call): fused C++ kernels (`cpu`, `csrc/pdv_kernels.cpp`, JIT-built on
   first use);
 - CUDA float32/float16/bfloat16/float64 (one dtype per call): Triton kernels (`triton_gpu`), one launch or a
   few per call over the whole tensor list and no host synchronisation;

@@ -1,10 +1,13 @@
-"""The fused CPU kernels: loading the C++ extension (`kernels/pdv_kernels.cpp`, JIT-built) and calling it.
+"""The fused CPU kernels: loading the C++ extension (`csrc/pdv_kernels.cpp`, JIT-built) and calling it.
 
-The sources live in `kernels/` at the top of the repository and are JIT-built (cached under
-TORCH_EXTENSIONS_DIR, default `<repo>/build/torch_extensions`) on first use, under a file lock so that
-concurrent ranks build once. When no compiler works, the sources are missing, or PDV_KERNELS=torch, `backend()`
-says "torch" and `pdv_ext.kernels` uses the reference (one warning). The call wrappers at the end take what
-`pdv_ext.kernels` hands them: CPU tensors of one dtype, float32 or float64, a non-empty list.
+The sources ship inside the package (`pdv_ext/kernels/csrc/`, package data of the wheel, as DeepSpeed ships
+its op sources) and are JIT-built on first use, under a file lock so that concurrent ranks build once. The
+build is cached under TORCH_EXTENSIONS_DIR; unset, a source checkout uses `<repo>/build/torch_extensions`
+(what `make setup` fills) and an installed package torch's default cache (`~/.cache/torch_extensions`),
+never a directory beside itself in site-packages. When no compiler works, the sources are missing, or
+PDV_KERNELS=torch, `backend()` says "torch" and `pdv_ext.kernels` uses the reference (one warning). The
+call wrappers at the end take what `pdv_ext.kernels` hands them: CPU tensors of one dtype, float32 or
+float64, a non-empty list.
 """
 from __future__ import annotations
 
@@ -12,17 +15,15 @@ import hashlib
 import os
 import platform
 import threading
-import sys
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# a checkout / editable install has kernels/ beside the package; a wheel installs it under share/pdv_ext
-SOURCE = next((p for p in (os.path.join(_ROOT, "kernels", "pdv_kernels.cpp"),
-                           os.path.join(sys.prefix, "share", "pdv_ext", "kernels", "pdv_kernels.cpp"))
-               if os.path.exists(p)), os.path.join(_ROOT, "kernels", "pdv_kernels.cpp"))
+from ..source_tree import jit_cache_dir
+
+#: the C++ source, package data in a checkout and in an installed wheel alike
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "pdv_kernels.cpp")
 #: the dtypes the C++ kernels take
 FAST_DTYPES = (torch.float32, torch.float64)
 
@@ -55,7 +56,13 @@ def _cflags(native: bool) -> List[str]:
 
 
 def extensions_dir() -> str:
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(_ROOT, "build", "torch_extensions")
+    """Where the JIT build is cached (see the module docstring)."""
+    cached = jit_cache_dir()
+    if cached:
+        return cached
+    from torch.utils import cpp_extension  # imports setuptools (0.2 s): only for builds, not every rank
+
+    return cpp_extension.get_default_build_root()
 
 
 #: a torch JIT baton (`<build dir>/lock`) older than this is a killed build's: builds take well under it

@@ -1,9 +1,9 @@
-// Fused CPU ops for pdv_ext's aggregators. Built by pdv_ext/kernels.py through torch's C++ extension
+// Fused CPU ops for pdv_ext's aggregators. Built by pdv_ext/kernels/cpu.py through torch's C++ extension
 // JIT (torch.utils.cpp_extension.load, cached under TORCH_EXTENSIONS_DIR) and called through a plain C
 // ABI on raw buffers: the file includes no torch header, so the first build takes seconds, not minutes.
 //
-// Every op here has a pure-torch twin in pdv_ext/kernels.py and the two must agree; the arithmetic is
-// therefore spelled out, not left to the compiler: the build uses -ffp-contract=off (no fused
+// Every op here has a pure-torch twin in pdv_ext/kernels/reference.py and the two must agree; the
+// arithmetic is therefore spelled out, not left to the compiler: the build uses -ffp-contract=off (no fused
 // multiply-add changes the rounding), reductions over tensors run in a fixed chunk order that does not
 // depend on the thread count, and orderings are total (NaN above +inf, ties broken by lower index).
 // See docs/kernels.md for the contract of each op. Every entry point returns 0, or -1 on failure.
