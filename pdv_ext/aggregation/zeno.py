@@ -66,6 +66,7 @@ class Zeno(RobustAggregator):
     """Validation-scored selection: drops the `b` lowest-scoring ranks each step."""
 
     needs_validation = True
+    per_parameter_state = ("v",)
 
     class Options(StrictModel):
         #: step size assumed by the score gamma <v, g> - rho |g|^2 (only rho / gamma matters for the choice)

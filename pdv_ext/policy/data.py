@@ -59,6 +59,13 @@ class ElasticBatches:
         self.pulled = 0
         self.micro_batch_size = int(size)
 
+    def set_replica(self, dp_rank: int, dp_size: int) -> None:
+        """Serve replica `dp_rank` of `dp_size` from the current position on (a move gave this rank another
+        place; call at a step boundary, on every rank, after `load_state_dict` of the position)."""
+        self.base = self.position
+        self.pulled = 0
+        self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
+
     def state_dict(self) -> Dict[str, int]:
         return {"position": self.position, "micro_batch_size": self.micro_batch_size, "seed": self.seed}
 
