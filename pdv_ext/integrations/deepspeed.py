@@ -503,14 +503,15 @@ class PDVPipelineEngine(PipelineEngine):
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed's loader under the plan the checkpoint was written with; under any other plan (boundaries,
-        placement, pipeline depth), its layer-keyed form - and under BF16_Optimizer without ZeRO, whose own
-        pipeline checkpoint DeepSpeed 0.19 cannot load (its loader indexes the saved dict by data-parallel rank)."""
+        placement, pipeline depth), its layer-keyed form. Also where DeepSpeed's own cannot restore the state:
+        under BF16_Optimizer without ZeRO (DeepSpeed 0.19's loader indexes the saved dict by data-parallel
+        rank and fails), and where replicas hold different weights (gossip: DeepSpeed keeps replica 0's)."""
         from ..placement.checkpoint import load_layer_checkpoint, plan_of, read_meta
         from ..policy.engine import load_state
 
         meta = read_meta(load_dir, tag)
-        if meta is not None and (meta["plan"] != plan_of(self) or self.reduce_mode == "bf16"
-                                 and not self.zero_optimization()):
+        if meta is not None and (meta["plan"] != plan_of(self) or meta.get("replicas_differ")
+                                 or (self.reduce_mode == "bf16" and not self.zero_optimization())):
             names = ("load_module_strict", "load_optimizer_states", "load_lr_scheduler_states", "load_module_only")
             opts = {**dict(zip(names, args)), **kwargs}
             return load_layer_checkpoint(self, load_dir, tag, opts.get("load_optimizer_states", True),
