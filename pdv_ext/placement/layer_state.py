@@ -241,14 +241,14 @@ class FlatLayout(_Layout):
         tensor_keys = [k for k, v in optim[0].items() if torch.is_tensor(v) and v.numel() == params[0].numel()
                        and v.dim() > 0]
         scalars = {k: v for k, v in optim[0].items() if k not in tensor_keys}
-        for o, p in zip(optim, params):
+        for o in optim:
             for k, v in scalars.items():
                 w = o.get(k)
                 same = (torch.equal(w, v) if torch.is_tensor(v) and torch.is_tensor(w) else w == v)
                 if not same:
                     raise ValueError(f"parameter group {i}: '{k}' differs between its parameters ({v} vs "
                                      f"{w}): one flat optimizer state cannot hold both")
-        st = self.base.state[flat]
+        st = self.base.state.setdefault(flat, {})
         for k in tensor_keys:
             dtype = optim[0][k].dtype
             if not (torch.is_tensor(st.get(k)) and st[k].shape == flat.shape and st[k].dtype == dtype):
