@@ -20,7 +20,7 @@ COMMANDS = {
 }
 
 BENCHES = ["engine", "aggregate", "kernels", "byzantine", "convergence", "planner", "adaptive", "placement",
-           "init-search", "profile"]
+           "init-search", "profile", "move"]
 
 
 def _usage() -> str:
