@@ -17,8 +17,8 @@ action at the end of one). In order:
    state per parameter, batch geometry keeping the global batch; the policy glue - Monitor and runner -
    is carried over, not rebuilt);
 5. commit: the user's engine object and PipelineModule object take over the new ones' state in place
-   (both keep working: `engine.train_batch(...)` goes on), and the data iterator is re-pointed at the
-   rank's new replica from the global position (`ElasticBatches.set_replica`).
+   (both keep working: `engine.train_batch(...)` goes on); the iterator passed to the next `train_batch`
+   gets the global data position and the rank's new replica (`ElasticBatches.set_replica`).
 
 Every phase that can fail locally (a rank raising, out of memory on the new stage) ends in an agreement
 (one all-gather of a flag): a failure anywhere is one MoveError on every rank and the old engine is left
@@ -380,8 +380,12 @@ def _execute(engine: Any, old_plan: Dict[str, Any], new_plan: Dict[str, Any], on
         if dp_old > 1 and getattr(engine, "reduce_mode", "engine") in ("bf16", "zero"):  # partitions made whole
             gathered = sum(t.numel() * t.element_size() for s in held.values()
                            for k, t in s.tensors().items() if k == "master" or k.startswith("optim/"))
-        return {"specs": {n: _spec(s) for n, s in held.items()}, "gathered": gathered,
-                "data": it.state_dict() if rank == first and hasattr(it, "state_dict") else None}
+        data = None
+        if rank == first:  # this rank fed stage 0's replica 0: its position is the global one
+            data = getattr(engine, "_pdv_pending_data", None)  # restored by a checkpoint, not yet handed over
+            if data is None and hasattr(it, "state_dict"):
+                data = it.state_dict()
+        return {"specs": {n: _spec(s) for n, s in held.items()}, "gathered": gathered, "data": data}
 
     (held, pdv), shared = _agreed("collect", collect, on_phase, manifest)
     specs = [s["specs"] for s in shared]
@@ -460,20 +464,21 @@ def _execute(engine: Any, old_plan: Dict[str, Any], new_plan: Dict[str, Any], on
 
     # ---- commit: the user's objects take over the new state ----------------------------------------------
     eng = built[0]
-    it, pending = engine.data_iterator, getattr(engine, "_pdv_pending_data", None)
+    it = engine.data_iterator
     user_module = engine.module
     object.__setattr__(user_module, "__dict__", new.__dict__)
     eng._modules["module"] = user_module
     object.__setattr__(engine, "__dict__", eng.__dict__)
-    if it is not None:
-        if data_state is not None and hasattr(it, "load_state_dict") and hasattr(it, "set_replica"):
-            it.load_state_dict(data_state)
-            it.set_replica(engine.grid.get_data_parallel_id(), engine.grid.get_data_parallel_world_size())
-        elif engine.is_first_stage() or engine.is_last_stage():
-            warnings.warn("the data iterator cannot follow the move to another replica (it has no "
-                          "load_state_dict/set_replica): use pdv_ext.policy.data.ElasticBatches")
+    # the data position and this rank's new replica go to the iterator of the next train_batch (DeepSpeed
+    # keeps no iterator on middle stages: the one this rank will pass is not known here)
+    if engine.is_first_stage() or engine.is_last_stage():
         engine.data_iterator = it
-    engine._pdv_pending_data = pending
+    if data_state is None and (engine.is_first_stage() or engine.is_last_stage()):
+        warnings.warn("the data position could not be read (the iterator that fed stage 0's replica 0 has no "
+                      "state_dict): the data does not follow the move; use pdv_ext.policy.data.ElasticBatches")
+    engine._pdv_pending_data = data_state
+    engine._pdv_pending_replica = ((engine.grid.get_data_parallel_id(), engine.grid.get_data_parallel_world_size())
+                                   if data_state is not None else None)
     lap("commit")
     seconds = time.perf_counter() - t0
     timing = _gather({"seconds": seconds, "phases": phases})

@@ -193,6 +193,14 @@ def begin_step(engine: Any, data_iter: Any = None) -> Optional[PolicyGlue]:
         if hasattr(it, "load_state_dict"):
             it.load_state_dict(pending)
             engine._pdv_pending_data = None
+            replica = getattr(engine, "_pdv_pending_replica", None)  # a move gave this rank another replica
+            if replica is not None:
+                if hasattr(it, "set_replica"):
+                    it.set_replica(*replica)
+                else:
+                    warnings.warn("the data iterator cannot follow the move to another replica (no set_replica): "
+                                  "use pdv_ext.policy.data.ElasticBatches")
+                engine._pdv_pending_replica = None
     glue: Optional[PolicyGlue] = getattr(engine, "pdv_policy", None)
     if glue is not None:
         glue.begin()

@@ -113,7 +113,8 @@ def failing_moves(engine, plan_b: Dict[str, Any], failures: List[Dict[str, Any]]
 
 def scenario(mode: str, plan_a: Dict[str, Any], plan_b: Dict[str, Any], ckpt: str, k: int = 2, n: int = 2,
              pdv: Optional[dict] = None, tied: bool = False,
-             failures: Optional[List[Dict[str, Any]]] = None) -> Dict[str, Any]:
+             failures: Optional[List[Dict[str, Any]]] = None,
+             bad_plans: Optional[List[Dict[str, Any]]] = None) -> Dict[str, Any]:
     """Under plan A: k steps, checkpoint "k"; optionally moves that fail (then the state must be as saved
     and the checkpoint untouched); one step, checkpoint "k1"; move to plan B; n steps ("moved").
     A fresh engine under plan B loads "k1" and trains n steps ("resumed"); a fresh engine under plan A
@@ -137,6 +138,16 @@ def scenario(mode: str, plan_a: Dict[str, Any], plan_b: Dict[str, Any], ckpt: st
             now[n].keys() == saved[n].keys() and all(torch.equal(now[n][f], saved[n][f]) for f in saved[n])
             for n in saved)
         out["checkpoint_kept"] = tree_digest(ckpt) == digest
+    if bad_plans:  # bad input: one ConfigError on every rank, nothing moved
+        from pdv_ext.config_base import ConfigError
+
+        out["bad_plans"] = []
+        for plan in bad_plans:
+            try:
+                move_engine(eng, plan["boundaries"], plan["rank_mapping"])
+                out["bad_plans"].append(None)
+            except ConfigError as exc:
+                out["bad_plans"].append(str(exc))
     out["after_failures"] = train(eng, data, 1)
     eng.save_checkpoint(ckpt, tag="k1")
     out["saved"] = whole_state(eng)
@@ -145,9 +156,9 @@ def scenario(mode: str, plan_a: Dict[str, Any], plan_b: Dict[str, Any], ckpt: st
     out["same_object"] = eng is ref
     out["report"] = report.to_dict()
     out["moved_state"] = whole_state(eng)
+    out["moved"] = train(eng, data, n)
     out["moved_place"] = (list(eng.module.parts), eng.stage_id, eng.grid.get_data_parallel_id(),
                           eng.gradient_accumulation_steps(), data.dp_rank, data.dp_size)
-    out["moved"] = train(eng, data, n)
     out["moved_final"] = whole_state(eng)
     del eng, ref
 

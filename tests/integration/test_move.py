@@ -22,6 +22,9 @@ PIPE2x2 = {"boundaries": [0, 4, 8], "rank_mapping": [[0, 1], [2, 3]]}
 PIPE4 = {"boundaries": [0, 2, 3, 6, 8], "rank_mapping": [[3], [1], [0], [2]]}
 #: same degree, other boundaries, every rank on another stage or replica (ZeRO-1 partitions re-cut)
 PIPE2x2_OTHER = {"boundaries": [0, 3, 8], "rank_mapping": [[1, 2], [3, 0]]}
+BAD_PLANS = [{"boundaries": [0, 4, 7], "rank_mapping": [[0, 1], [2, 3]]},  # does not end at the layer count
+             {"boundaries": [0, 4, 8], "rank_mapping": [[0, 1], [2, 2]]},  # rank 2 twice, rank 3 nowhere
+             {"boundaries": [0, 2, 4, 8], "rank_mapping": [[0, 1], [2, 3]]}]  # 3 stages, 2 rows
 FAILURES = [{"phase": "transfer", "rank": 1, "error": "runtime"},  # a rank dies mid-move
             {"phase": "engine", "rank": 2, "error": "oom"}]  # out of memory on the new stage, engine built
 
@@ -47,8 +50,8 @@ def _merged(res, key, plan=None):
     return out
 
 
-def _check(res, plan_b, loss_rtol, weight_atol, replicas_differ=False):
-    plan_a_keyed = PIPE2x2 if replicas_differ else None
+def _check(res, plan_b, loss_rtol, weight_atol, replicas_differ=False, plan_a=PIPE2x2):
+    plan_a_keyed = plan_a if replicas_differ else None
     plan_b_keyed = plan_b if replicas_differ else None
     saved = _merged(res, "saved", plan_a_keyed)
     moved, resumed = _merged(res, "moved_state", plan_b_keyed), _merged(res, "resumed_state", plan_b_keyed)
@@ -81,7 +84,7 @@ def _check(res, plan_b, loss_rtol, weight_atol, replicas_differ=False):
     rep = res[0]["report"]
     assert all(r["report"]["bytes_moved"] == rep["bytes_moved"] for r in res)
     assert rep["moved"] and rep["bytes_moved"] > 0 and rep["seconds"] > 0 and rep["messages"] > 0
-    assert rep["old_plan"] == PIPE2x2 and rep["new_plan"] == plan_b
+    assert rep["old_plan"] == plan_a and rep["new_plan"] == plan_b
     return saved, moved
 
 
@@ -96,7 +99,11 @@ def test_move_and_resume_under_another_plan(tmp_path):
         # ZeRO-1 (partitions re-cut for other stages), gossip: replicas' own weights and residuals follow them
         dict(label="zero1", mode="zero1", plan_a=PIPE2x2, plan_b=PIPE2x2_OTHER),
         dict(label="gossip", mode="fp32", plan_a=PIPE2x2, plan_b=PIPE2x2_OTHER,
-             pdv={"aggregation": {"type": "gossip", "peers": 1, "ratio": 0.25}}),
+             pdv={"aggregation": {"type": "gossip", "peers": 1, "ratio": 0.25}}, bad_plans=BAD_PLANS),
+        # the other way: pipe 4 -> 2 x 2; the new replica 1 starts from replica 0's weights, no residual
+        # (ratio 1: every entry sent, so 2 replicas average exactly what 1 replica applies)
+        dict(label="grow", mode="fp32", plan_a=PIPE4, plan_b=PIPE2x2,
+             pdv={"aggregation": {"type": "gossip", "peers": 1, "ratio": 1.0}}),
     ]
     out = run_ranks("tests.integration.move_workers:scenarios", 4, dict(runs=runs, ckpt_root=str(tmp_path)),
                     timeout=400)
@@ -117,6 +124,17 @@ def test_move_and_resume_under_another_plan(tmp_path):
     assert {k for k in moved if k[1].startswith("agg/")} == {k for k in saved if k[1].startswith("agg/")} != set()
     assert all(torch.equal(moved[k], saved[k]) for k in moved)
     assert any(not torch.equal(saved[(n, f, 0)], saved[(n, f, 1)]) for n, f, d in saved if f == "agg/residual")
+    for r in by["gossip"]:
+        e1, e2, e3 = r["bad_plans"]
+        assert "boundaries: must rise strictly from 0 to the layer count 8" in e1
+        assert "rank_mapping: rank_mapping must use each rank 0..3 exactly once" in e2
+        assert "boundaries: describe 3 stages but rank_mapping 2" in e3
+    # growing the width: replica 0's residual follows it, the new replica 1 starts without one; moved and
+    # resumed agree bit for bit (the same rule for both)
+    _check(by["grow"], PIPE2x2, loss_rtol=1e-5, weight_atol=1e-5, plan_a=PIPE4)
+    for r in by["grow"]:
+        has_residual = any(f.startswith("agg/") for fs in r["moved_state"].values() for f in fs)
+        assert has_residual == (r["moved_place"][2] == 0), r["rank"]
     # failures: one clear error on every rank, nothing changed, the checkpoint untouched
     for r in by["bf16"]:
         (f1, f2) = r["failures"]
