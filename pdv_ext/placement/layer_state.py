@@ -30,6 +30,8 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.module import TiedLayerSpec
 from torch import nn
 
+from ..aggregation.validation import reduction_params
+
 
 @dataclass
 class ParamState:
@@ -442,9 +444,7 @@ def reduction_names(engine: Any) -> List[Tuple[str, int]]:
     elif mode == "zero":
         params = [p for g in opt.bit16_groups for p in g if p.numel() > 0]
     else:
-        from ..aggregation.validation import reduction_params  # the engine-mode order, in one place
-
-        params = reduction_params(engine)
+        params = reduction_params(engine)  # the engine-mode order, in one place
     return [(names[id(p)], p.numel()) for p in params]
 
 
