@@ -23,7 +23,7 @@ COMMANDS = {
 }
 
 BENCHES = ["engine", "aggregate", "kernels", "byzantine", "convergence", "planner", "adaptive", "adapt", "placement",
-           "init-search", "profile"]
+           "init-search", "profile", "move"]
 
 
 def _usage() -> str:

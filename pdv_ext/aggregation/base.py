@@ -7,7 +7,7 @@ DeepSpeed's pipeline engine (one per stage, over the stage's data-parallel group
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Dict, List, Literal, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 from pydantic import ValidationError
@@ -49,6 +49,10 @@ class Aggregator(WithOptions):
     checks_nonfinite: ClassVar[bool] = False
     #: what unequal data shares mean to this aggregator: "weight" or "count" (see the class docstring)
     shares: ClassVar[Literal["weight", "count"]] = "count"
+    #: keys of `state_dict()` holding one flat tensor over all aggregated gradients (in their order), or
+    #: None: a plan change cuts them at the parameters and joins them in the new stage's order
+    #: (pdv_ext.placement.layer_state)
+    per_parameter_state: ClassVar[Tuple[str, ...]] = ()
 
     def __init__(self, options: Optional[Union[Dict[str, Any], StrictModel]] = None, **kwargs: Any):
         super().__init__(options, **kwargs)

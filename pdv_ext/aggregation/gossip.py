@@ -80,6 +80,7 @@ class Gossip(SmallGroups, Aggregator):
     #: replicas apply different updates (the non-finite guard must agree before aggregating)
     replicas_identical = False
     shares = "weight"
+    per_parameter_state = ("residual", "applied")
 
     class Options(StrictModel):
         #: peers each rank exchanges with per step (capped at the data-parallel group size - 1)

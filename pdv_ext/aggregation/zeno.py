@@ -71,6 +71,7 @@ class Zeno(RobustAggregator):
 
     needs_validation = True
     shares = "weight"
+    per_parameter_state = ("v",)
 
     class Options(StrictModel):
         #: step size assumed by the score gamma <v, g> - rho |g|^2 (only rho / gamma matters for the choice)

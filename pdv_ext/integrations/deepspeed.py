@@ -108,6 +108,12 @@ def apply_placement(module: PipelineModule, boundaries: Optional[Sequence[int]] 
 
 def _rebuild(module: PipelineModule, parts: List[int], stage: int) -> None:
     """Drop the local layers and build those of `stage` under `parts` (PipelineModule.__init__'s tail)."""
+    build_stage_layers(module, parts, stage)
+    link_tied_layers(module)
+
+
+def build_stage_layers(module: PipelineModule, parts: List[int], stage: int) -> None:
+    """The local half of `_rebuild` (no communication): drop the local layers, build those of `stage`."""
     for name in [n for n in module._modules if n.isdigit()]:
         del module._modules[name]
     module.tied_modules = nn.ModuleDict()
@@ -121,6 +127,11 @@ def _rebuild(module: PipelineModule, parts: List[int], stage: int) -> None:
     module._set_bounds(start=parts[stage], stop=parts[stage + 1])
     module._build()
     module.to(get_accelerator().device_name(module.local_rank))
+
+
+def link_tied_layers(module: PipelineModule) -> None:
+    """The collective half of `_rebuild`: the tied layers' groups (collective over the world), their weights
+    made equal from the first stage that holds them."""
     module.tied_comms = module._index_tied_modules()
     module._synchronize_tied_weights()
 
@@ -246,7 +257,7 @@ class PDVPipelineEngine(PipelineEngine):
     """
 
     def __init__(self, *args: Any, pdv_config: Optional[PDVConfig] = None, validation_iter: Any = None,
-                 **kwargs: Any):
+                 pdv_glue: Any = None, **kwargs: Any):
         cc = kwargs.get("config_class")
         if cc is not None and int(getattr(cc, "zero_optimization_stage", 0) or 0) >= 2:
             raise ConfigError([f"zero_optimization.stage: {cc.zero_optimization_stage} partitions gradients, which "
@@ -272,7 +283,7 @@ class PDVPipelineEngine(PipelineEngine):
         from ..aggregation.faults import install_fault_hooks  # pdv.faults + the NaN/Inf guard
 
         install_fault_hooks(self)
-        self.pdv_policy = build_glue(self)  # pdv.policy: Monitor + PolicyRunner (None when unused)
+        self.pdv_policy = build_glue(self, carried=pdv_glue)  # pdv.policy (a move, pdv_ext.placement.move, carries its glue over)
         self._check_takeover_once()  # the hooks now exist: can `mean` under ZeRO-1 hand them the gradients?
 
     def _check_takeover_once(self) -> None:
@@ -552,12 +563,29 @@ class PDVPipelineEngine(PipelineEngine):
         return loss
 
     def save_checkpoint(self, save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
-        """DeepSpeed's checkpoint plus pdv's state (aggregator, batch size, policies, data position)."""
+        """DeepSpeed's checkpoint plus pdv's state (aggregator, batch size, policies, data position), and the
+        same state keyed by layer, which any other plan can load (pdv_ext.placement.checkpoint)."""
+        from ..placement.checkpoint import save_layer_checkpoint
+
         out = super().save_checkpoint(save_dir, tag, *args, **kwargs)
         save_state(self, save_dir, tag)
+        save_layer_checkpoint(self, save_dir, tag, kwargs.get("client_state", args[0] if args else None))
         return out
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """DeepSpeed's loader under the plan the checkpoint was written with; under any other plan (boundaries,
+        placement, pipeline depth), its layer-keyed form. Also where DeepSpeed's own cannot restore the state:
+        under BF16_Optimizer without ZeRO (DeepSpeed 0.19's loader indexes the saved dict by data-parallel
+        rank and fails), and where replicas hold different weights (gossip: DeepSpeed keeps replica 0's)."""
+        from ..placement.checkpoint import load_layer_checkpoint, plan_of, read_meta
+
+        meta = read_meta(load_dir, tag)
+        if meta is not None and (meta["plan"] != plan_of(self) or meta.get("replicas_differ")
+                                 or (self.reduce_mode == "bf16" and not self.zero_optimization())):
+            names = ("load_module_strict", "load_optimizer_states", "load_lr_scheduler_states", "load_module_only")
+            opts = {**dict(zip(names, args)), **kwargs}
+            return load_layer_checkpoint(self, load_dir, tag, opts.get("load_optimizer_states", True),
+                                         opts.get("load_lr_scheduler_states", True), opts.get("load_module_only", False))
         out = super().load_checkpoint(load_dir, tag, *args, **kwargs)
         if out[0] is not None:
             load_state(self, load_dir, tag)
@@ -665,6 +693,10 @@ def initialize(args: Any = None,
                                dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
                                config_class=config_class, pdv_config=pdv_cfg, validation_iter=validation_iter)
     engine._configure_python_gc()
+    # what a move (pdv_ext.placement.move) rebuilds the engine from, in the same processes
+    engine._pdv_build = {"args": args, "optimizer": optimizer, "model_parameters": model_parameters,
+                         "training_data": training_data, "lr_scheduler": lr_scheduler, "collate_fn": collate_fn,
+                         "dist_init_required": dist_init_required, "config": ds_config}
     from .summary import log_startup  # rank 0 logs what pdv_ext set up (one small collective)
     log_startup(engine, pdv_cfg)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

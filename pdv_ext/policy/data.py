@@ -84,6 +84,15 @@ class ElasticBatches:
         self.pulled = 0
         self.shares = shares
 
+    def set_replica(self, dp_rank: int, dp_size: int) -> None:
+        """Serve replica `dp_rank` of `dp_size` from the current position on (a move gave this rank another
+        place; call at a step boundary, on every rank, after `load_state_dict` of the position). The data
+        shares go back to the equal split: they were per replica of the old plan."""
+        self.base = self.position
+        self.pulled = 0
+        self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
+        self.shares = None
+
     def state_dict(self) -> Dict[str, Any]:
         return {"position": self.position, "micro_batch_size": self.micro_batch_size, "seed": self.seed,
                 "shares": None if self.shares is None else list(self.shares)}

@@ -133,29 +133,39 @@ class PolicyGlue:
     """Monitor + runner of one engine, driven by PDVPipelineEngine.train_batch (begin/end)."""
 
     def __init__(self, engine: Any, cfg: PolicyConfig):
-        from deepspeed.runtime.pipe import schedule
-
-        self.engine, self.cfg = engine, cfg
+        self.cfg = cfg
         # the world: every rank of every stage agrees; on NCCL the metrics travel on a gloo twin (no device sync)
         self.comm = world_comm()
         cuda = torch.device(getattr(engine, "device", "cpu")).type == "cuda"
-        topo = engine.grid._topo  # (stage, replica) of every global rank: what each per-rank time belongs to
-        layout = [(topo.get_coord(r).pipe, topo.get_coord(r).data) for r in range(self.comm.size)]
         self.monitor = Monitor(self.comm, engine.grid.get_data_parallel_world_size(), cfg.monitor, every=cfg.every,
-                               sync=torch.cuda.synchronize if cuda else None, layout=layout)
+                               sync=torch.cuda.synchronize if cuda else None)
+        policies = [build_policy(p) for p in cfg.plugins]
+        self.runner: Optional[PolicyRunner] = (
+            PolicyRunner(policies, self.comm, EngineApplier(engine), cfg.on_error, cfg.every, cfg.lr_scaling)
+            if policies else None)
+        self.last_metrics: Dict[str, Any] = {}
+        self._begun = False
+        self._step_lr: Optional[float] = None
+        self.attach(engine)
+
+    def attach(self, engine: Any) -> None:
+        """Wire this glue into `engine`: at start-up, and again when a move (pdv_ext.placement.move) rebuilt the
+        engine in the same processes - the Monitor, the runner and the user's reference to the glue live on."""
+        from deepspeed.runtime.pipe import schedule
+
+        self.engine = engine
+        cuda = torch.device(getattr(engine, "device", "cpu")).type == "cuda"
+        self.monitor.dp_size = int(engine.grid.get_data_parallel_world_size())
+        topo = engine.grid._topo  # (stage, replica) of every global rank: what each per-rank time belongs to
+        self.monitor.layout = [(topo.get_coord(r).pipe, topo.get_coord(r).data) for r in range(self.comm.size)]
         self.monitor.shares = engine.data_shares
         engine.grad_hooks.append(_MonitorHook(self.monitor))
         # time forward/backward per rank (the straggler signal) through an instance-level instruction map
         wrap_instructions(engine, lambda instr, fn: _timed(fn, self.monitor, cuda),
                           (schedule.ForwardPass, schedule.BackwardPass))
         self.applier = EngineApplier(engine)
-        policies = [build_policy(p) for p in cfg.plugins]
-        self.runner: Optional[PolicyRunner] = (
-            PolicyRunner(policies, self.comm, self.applier, cfg.on_error, cfg.every, cfg.lr_scaling)
-            if policies else None)
-        self.last_metrics: Dict[str, Any] = {}
-        self._begun = False
-        self._step_lr: Optional[float] = None
+        if self.runner is not None:
+            self.runner.applier = self.applier
 
     def begin(self) -> None:
         if not self._begun:
@@ -199,8 +209,12 @@ class PolicyGlue:
         self._begun = False  # policies see on_train_begin again (after their state is restored)
 
 
-def build_glue(engine: Any) -> Optional[PolicyGlue]:
-    """A PolicyGlue when `pdv.policy` asks for one (plugins or an enabled monitor), else None."""
+def build_glue(engine: Any, carried: Optional[PolicyGlue] = None) -> Optional[PolicyGlue]:
+    """A PolicyGlue when `pdv.policy` asks for one (plugins or an enabled monitor), else None; `carried`
+    (the glue of the engine a move replaces) is attached to `engine` instead of building a new one."""
+    if carried is not None:
+        carried.attach(engine)
+        return carried
     cfg = engine.pdv_config.policy
     return PolicyGlue(engine, cfg) if cfg.active else None
 
@@ -213,6 +227,16 @@ def begin_step(engine: Any, data_iter: Any = None) -> Optional[PolicyGlue]:
         if hasattr(it, "load_state_dict"):
             it.load_state_dict(pending)
             engine._pdv_pending_data = None
+            replica = getattr(engine, "_pdv_pending_replica", None)  # a move gave this rank another replica
+            if replica is not None:
+                if hasattr(it, "set_replica"):
+                    it.set_replica(*replica)
+                    if hasattr(it, "set_shares"):  # shares carried over a move that kept the replica count
+                        it.set_shares(getattr(engine, "data_shares", None))
+                else:
+                    warnings.warn("the data iterator cannot follow the move to another replica (no set_replica): "
+                                  "use pdv_ext.policy.data.ElasticBatches")
+                engine._pdv_pending_replica = None
     glue: Optional[PolicyGlue] = getattr(engine, "pdv_policy", None)
     if glue is not None:
         glue.begin()
@@ -265,7 +289,13 @@ def load_state(engine: Any, load_dir: str, tag: Optional[str]) -> bool:
         return False
     # onto this rank's device (the gossip residual, zeno's validation gradient): a checkpoint written on
     # cuda:r resumes where the rank now runs, whichever GPU (or none) that is
-    st = torch.load(path, weights_only=False, map_location=getattr(engine, "device", "cpu"))
+    apply_state(engine, torch.load(path, weights_only=False, map_location=getattr(engine, "device", "cpu")))
+    return True
+
+
+def apply_state(engine: Any, st: Dict[str, Any]) -> None:
+    """Restore a `state_of` dict into `engine` (a checkpoint's, or one the cross-plan loader and the move
+    rebuilt for this rank's new place: pdv_ext.placement)."""
     spec = dict(st["aggregator"])
     if spec != {"type": engine.aggregator.name, **engine.aggregator.options.model_dump()}:
         engine.set_aggregator(spec)
@@ -285,4 +315,3 @@ def load_state(engine: Any, load_dir: str, tag: Optional[str]) -> bool:
             it.load_state_dict(st["data"])
         else:  # the iterator comes with the next train_batch(data_iter=...): restore it there
             engine._pdv_pending_data = st["data"]
-    return True
