@@ -19,7 +19,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import MEMORY_OPT_ALLREDUCE_SIZE, PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
-from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
+from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
 from ..aggregation import Aggregator, bind_group, build_aggregator
 from ..aggregation.faults import loss_scale_overflow
@@ -28,43 +28,12 @@ from ..config import ConfigError, PDVConfig, split_config
 from ..log import apply_log_level
 from ..policy.engine import begin_step, build_glue, load_state, save_state
 from .instruction_map import wrap_instructions  # noqa: F401  (also importable from here, as before)
+from .topology import MappedTopology, current_mapping, row_major_mapping  # noqa: F401  (importable from here too)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Placement mechanisms: explicit rank mapping and explicit stage boundaries
 # ---------------------------------------------------------------------------------------------------
-class MappedTopology(ProcessTopology):
-    """A pipe x data topology whose (stage, replica) -> global rank mapping is given explicitly.
-
-    `rank_mapping[stage][replica] = global rank`. DeepSpeed builds its pipe and data-parallel groups
-    from `mapping`, so any one-to-one assignment works (every stage has the same replica count).
-    """
-
-    def __init__(self, rank_mapping: Sequence[Sequence[int]]):
-        rows = [list(map(int, r)) for r in rank_mapping]
-        if not rows or len({len(r) for r in rows}) != 1:
-            raise ValueError("rank_mapping needs one equally long list of ranks per stage")
-        flat = sorted(r for row in rows for r in row)
-        if flat != list(range(len(flat))):
-            raise ValueError(f"rank_mapping must use each rank 0..{len(flat) - 1} exactly once (got {rows})")
-        super().__init__(axes=["pipe", "data"], dims=[len(rows), len(rows[0])])
-        self.mapping = {self.ProcessCoord(pipe=s, data=d): r for s, row in enumerate(rows) for d, r in enumerate(row)}
-        self.rank_mapping = rows
-
-
-def row_major_mapping(num_stages: int, world_size: int) -> List[List[int]]:
-    """DeepSpeed's default placement (PipeDataParallelTopology): stage s holds ranks s*D .. s*D+D-1."""
-    dp = world_size // num_stages
-    return [[s * dp + d for d in range(dp)] for s in range(num_stages)]
-
-
-def current_mapping(module: PipelineModule) -> List[List[int]]:
-    """The module's rank mapping, `[stage][replica] -> global rank`."""
-    topo = module._topo
-    p, d = topo.get_dim("pipe"), topo.get_dim("data")
-    return [[topo.get_rank(pipe=s, data=r) for r in range(d)] for s in range(p)]
-
-
 def apply_placement(module: PipelineModule, boundaries: Optional[Sequence[int]] = None,
                     rank_mapping: Optional[Sequence[Sequence[int]]] = None) -> bool:
     """Re-partition a built `PipelineModule` in place (all ranks must call it with the same arguments).

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..config_base import ConfigError
-from ..integrations.deepspeed import current_mapping
+from ..integrations.topology import current_mapping
 from ..policy.engine import apply_state, state_of
 from .layer_state import (ParamState, apply_global_state, apply_params, collect_params, global_state,
                           join_aggregator_state, layers_of, local_names, split_aggregator_state)
