@@ -26,9 +26,12 @@ from ..aggregation.faults import loss_scale_overflow
 from ..comm import TorchComm, host_twin
 from ..config import ConfigError, PDVConfig, split_config
 from ..log import apply_log_level
+from ..placement.checkpoint import load_layer_checkpoint, plan_of, read_meta, save_layer_checkpoint
+from ..placement.move import move_engine
 from ..policy.engine import begin_step, build_glue, load_state, save_state
 from .instruction_map import wrap_instructions  # noqa: F401  (also importable from here, as before)
-from .topology import MappedTopology, current_mapping, row_major_mapping  # noqa: F401  (importable from here too)
+from .topology import (MappedTopology, build_stage_layers, current_mapping, link_tied_layers,  # noqa: F401
+                       row_major_mapping)  # (importable from here too)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -79,30 +82,6 @@ def _rebuild(module: PipelineModule, parts: List[int], stage: int) -> None:
     """Drop the local layers and build those of `stage` under `parts` (PipelineModule.__init__'s tail)."""
     build_stage_layers(module, parts, stage)
     link_tied_layers(module)
-
-
-def build_stage_layers(module: PipelineModule, parts: List[int], stage: int) -> None:
-    """The local half of `_rebuild` (no communication): drop the local layers, build those of `stage`."""
-    for name in [n for n in module._modules if n.isdigit()]:
-        del module._modules[name]
-    module.tied_modules = nn.ModuleDict()
-    module.tied_weight_attrs = {}
-    module.forward_funcs = []
-    module.fwd_map = {}
-    module.is_checkpointable_results = []
-    module.is_checkpointable_results_interval = None
-    module.stage_id = stage
-    module.parts = list(parts)
-    module._set_bounds(start=parts[stage], stop=parts[stage + 1])
-    module._build()
-    module.to(get_accelerator().device_name(module.local_rank))
-
-
-def link_tied_layers(module: PipelineModule) -> None:
-    """The collective half of `_rebuild`: the tied layers' groups (collective over the world), their weights
-    made equal from the first stage that holds them."""
-    module.tied_comms = module._index_tied_modules()
-    module._synchronize_tied_weights()
 
 
 def resolve_placement(module: PipelineModule, cfg: PDVConfig) -> Optional[Dict[str, Any]]:
@@ -531,11 +510,14 @@ class PDVPipelineEngine(PipelineEngine):
             glue.end(loss)
         return loss
 
+    def move_to(self, boundaries: Sequence[int], rank_mapping: Sequence[Sequence[int]], **kwargs: Any) -> Any:
+        """Move this running pipeline to new stage boundaries and rank placement, in these processes
+        (collective, at a step boundary; `pdv_ext.placement.move.move_engine`). Returns the MoveReport."""
+        return move_engine(self, boundaries, rank_mapping, **kwargs)
+
     def save_checkpoint(self, save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed's checkpoint plus pdv's state (aggregator, batch size, policies, data position), and the
         same state keyed by layer, which any other plan can load (pdv_ext.placement.checkpoint)."""
-        from ..placement.checkpoint import save_layer_checkpoint
-
         out = super().save_checkpoint(save_dir, tag, *args, **kwargs)
         save_state(self, save_dir, tag)
         save_layer_checkpoint(self, save_dir, tag, kwargs.get("client_state", args[0] if args else None))
@@ -546,8 +528,6 @@ class PDVPipelineEngine(PipelineEngine):
         placement, pipeline depth), its layer-keyed form. Also where DeepSpeed's own cannot restore the state:
         under BF16_Optimizer without ZeRO (DeepSpeed 0.19's loader indexes the saved dict by data-parallel
         rank and fails), and where replicas hold different weights (gossip: DeepSpeed keeps replica 0's)."""
-        from ..placement.checkpoint import load_layer_checkpoint, plan_of, read_meta
-
         meta = read_meta(load_dir, tag)
         if meta is not None and (meta["plan"] != plan_of(self) or meta.get("replicas_differ")
                                  or (self.reduce_mode == "bf16" and not self.zero_optimization())):

@@ -1,4 +1,5 @@
-"""DeepSpeed's pipeline topology as pdv_ext places it: an explicit (stage, replica) -> rank mapping.
+"""DeepSpeed's pipeline topology as pdv_ext places it: an explicit (stage, replica) -> rank mapping, and the
+layers of one stage built (again) under new boundaries.
 
 Kept apart from the engine (integrations/deepspeed.py) so that what only reads a plan - the cross-plan
 checkpoint, the move - needs no engine import.
@@ -6,6 +7,9 @@ checkpoint, the move - needs no engine import.
 from __future__ import annotations
 
 from typing import List, Sequence
+
+from deepspeed.accelerator import get_accelerator
+from torch import nn
 
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.topology import ProcessTopology
@@ -41,3 +45,27 @@ def current_mapping(module: PipelineModule) -> List[List[int]]:
     topo = module._topo
     p, d = topo.get_dim("pipe"), topo.get_dim("data")
     return [[topo.get_rank(pipe=s, data=r) for r in range(d)] for s in range(p)]
+
+
+def build_stage_layers(module: PipelineModule, parts: List[int], stage: int) -> None:
+    """The local half of `_rebuild` (no communication): drop the local layers, build those of `stage`."""
+    for name in [n for n in module._modules if n.isdigit()]:
+        del module._modules[name]
+    module.tied_modules = nn.ModuleDict()
+    module.tied_weight_attrs = {}
+    module.forward_funcs = []
+    module.fwd_map = {}
+    module.is_checkpointable_results = []
+    module.is_checkpointable_results_interval = None
+    module.stage_id = stage
+    module.parts = list(parts)
+    module._set_bounds(start=parts[stage], stop=parts[stage + 1])
+    module._build()
+    module.to(get_accelerator().device_name(module.local_rank))
+
+
+def link_tied_layers(module: PipelineModule) -> None:
+    """The collective half of `_rebuild`: the tied layers' groups (collective over the world), their weights
+    made equal from the first stage that holds them."""
+    module.tied_comms = module._index_tied_modules()
+    module._synchronize_tied_weights()

@@ -42,7 +42,7 @@ from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 from deepspeed.utils import groups as ds_groups
 
 from ..config_base import ConfigError
-from ..integrations.deepspeed import MappedTopology, PDVPipelineEngine, build_stage_layers, link_tied_layers
+from ..integrations.topology import MappedTopology, build_stage_layers, link_tied_layers
 from ..policy.engine import apply_state
 from .checkpoint import local_entries, plan_of, rebased_pdv_state
 from .layer_state import ParamState, apply_global_state, apply_params, global_state, layers_of, stages_owning
@@ -117,7 +117,7 @@ def _agreed(phase: str, fn: Callable[[], Any], hook: Optional[Callable[[str], No
 # ---------------------------------------------------------------------------------------------------
 def _checked_plan(engine: Any, boundaries: Sequence[int], rank_mapping: Sequence[Sequence[int]]) -> Dict[str, Any]:
     """The new plan, validated (ConfigError naming the key)."""
-    if not isinstance(engine, PDVPipelineEngine) or not hasattr(engine, "_pdv_build"):
+    if not hasattr(engine, "_pdv_build") or not hasattr(engine, "reduction_grads"):
         raise ConfigError(["engine: move_engine needs a PDVPipelineEngine built by pdv_ext.initialize"])
     n = int(engine.module._num_layers)
     try:
@@ -433,7 +433,7 @@ def _execute(engine: Any, old_plan: Dict[str, Any], new_plan: Dict[str, Any], on
         cfg = _engine_config(engine, dp_new)
         params = _model_parameters(build_args, new, mine)
         config_class = DeepSpeedConfig(cfg, new.mpu())
-        eng = PDVPipelineEngine(args=build_args["args"], model=new,
+        eng = type(engine)(args=build_args["args"], model=new,
                                 optimizer=_optimizer_for(build_args, params),
                                 model_parameters=params, training_data=build_args["training_data"],
                                 lr_scheduler=build_args["lr_scheduler"], mpu=new.mpu(),

@@ -85,8 +85,24 @@ class SetDataShares(Action):
             object.__setattr__(self, "shares", tuple(int(n) for n in self.shares))
 
 
+@dataclass(frozen=True)
+class Replan(Action):
+    """Move the running pipeline to new stage `boundaries` (DeepSpeed's parts) and `rank_mapping`
+    (`[stage][replica] -> global rank`) at this step boundary, in the same processes
+    (pdv_ext.placement.move: weights and optimizer state travel layer by layer). `reason` goes to the log."""
+
+    boundaries: Tuple[int, ...] = ()
+    rank_mapping: Tuple[Tuple[int, ...], ...] = ()
+    reason: str = ""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "boundaries", tuple(int(b) for b in self.boundaries))
+        object.__setattr__(self, "rank_mapping", tuple(tuple(int(r) for r in row) for row in self.rank_mapping))
+
+
 ACTIONS: Dict[str, Type[Action]] = {c.__name__: c for c in (SetBatchSize, SetLearningRate, SetAggregator,
-                                                               SetGossipPeers, SetDataShares)}
+                                                               SetGossipPeers, SetDataShares, Replan)}
 
 
 def action_from_dict(d: Dict[str, Any]) -> Action:

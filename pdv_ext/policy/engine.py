@@ -59,6 +59,22 @@ class EngineApplier:
         if glue is not None:
             glue.monitor.shares = e.data_shares
 
+    def replan(self, boundaries: Sequence[int], rank_mapping: Sequence[Sequence[int]]) -> Any:
+        """Move the pipeline (`engine.move_to`: pdv_ext.placement.move); the engine object stays the user's."""
+        return self.engine.move_to(boundaries, rank_mapping)
+
+    def placement(self) -> Dict[str, Any]:
+        """The plan in force and where it came from (the start-up plan's cluster, profile and solver)."""
+        e = self.engine
+        topo = e.grid._topo
+        p, d = topo.get_dim("pipe"), topo.get_dim("data")
+        pl = e.pdv_config.placement
+        return {"boundaries": [int(b) for b in e.module.parts],
+                "rank_mapping": [[topo.get_rank(pipe=s, data=r) for r in range(d)] for s in range(p)],
+                "cluster": pl.cluster, "profile": pl.profile, "solver": pl.solver, "schedule": pl.schedule,
+                "aggregator": pl.aggregator, "solver_options": dict(pl.solver_options),
+                "total_micro_batches": int(e.total_micro_batches)}
+
     def set_batch_size(self, micro_batches: int, micro_batch_size: int) -> None:
         e = self.engine
         if e.data_shares is not None:  # a new global batch starts from the equal split

@@ -17,8 +17,8 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 import torch
 
 from ..comm.base import Comm
-from .base import (Action, Policy, SetAggregator, SetBatchSize, SetDataShares, SetGossipPeers, SetLearningRate,
-                   TrainContext, action_from_dict)
+from .base import (Action, Policy, Replan, SetAggregator, SetBatchSize, SetDataShares, SetGossipPeers,
+                   SetLearningRate, TrainContext, action_from_dict)
 from ..log import logger as pdv_logger
 from .gns import lr_factor
 from .shares import check_shares
@@ -53,6 +53,10 @@ class Applier(Protocol):
 
     def set_data_shares(self, shares: Optional[Sequence[int]]) -> None: ...
 
+    def replan(self, boundaries: Sequence[int], rank_mapping: Sequence[Sequence[int]]) -> Any:
+        """Move the pipeline (optional: frameworks without pipelines leave it out, and Replan is refused);
+        returns what the move measured (an object with `to_dict()`)."""
+
 
 class PolicyRunner:
     """Runs `policies` after every step; see the module docstring for the agreement protocol."""
@@ -77,6 +81,8 @@ class PolicyRunner:
         self._queued_errors: List[Dict[str, Any]] = []
         self._stop: Optional[str] = None
         self._geom: Optional[Tuple[int, int, int]] = None
+        #: what the last Replan's move measured (MoveReport.to_dict()), for policies and benchmarks
+        self.last_move: Optional[Dict[str, Any]] = None
 
     # ---- hooks ----------------------------------------------------------------------------------
     def context(self, step: int = 0) -> TrainContext:
@@ -86,7 +92,9 @@ class PolicyRunner:
                             lr=lrs[0] if lrs else 0.0, step=step,
                             extra={"stages": int(getattr(self.applier, "num_stages", 1)),
                                    "data_shares": (self.applier.data_shares()
-                                                   if hasattr(self.applier, "data_shares") else None)})
+                                                   if hasattr(self.applier, "data_shares") else None),
+                                   "placement": (self.applier.placement()
+                                                 if hasattr(self.applier, "placement") else None)})
 
     def on_train_begin(self, step: int = 0) -> None:
         ctx = self.context(step)
@@ -132,6 +140,7 @@ class PolicyRunner:
     # ---- rank 0 ---------------------------------------------------------------------------------
     def _decide(self, metrics: Dict[str, Any]) -> None:
         step = int(metrics["step"])
+        metrics.setdefault("last_move", self.last_move)  # what the last Replan cost (identical on every rank)
         for i, pol in enumerate(self.policies):
             if i in self.disabled:
                 continue
@@ -168,6 +177,11 @@ class PolicyRunner:
             rule = a.lr_rule or self.lr_scaling
             item["lr_factor"] = lr_factor(rule, mbs0 * mb0 * dp, mbs * mb * dp, metrics.get("gns"))
             self._geom = (mbs, mb, dp)
+        elif isinstance(a, Replan):
+            if not hasattr(self.applier, "replan"):
+                raise ValueError(f"Replan: {type(self.applier).__name__} has no pipeline to move")
+            if not a.boundaries or not a.rank_mapping:
+                raise ValueError("Replan: needs boundaries and rank_mapping")
         elif isinstance(a, SetDataShares):
             if not hasattr(self.applier, "set_data_shares"):
                 raise ValueError(f"SetDataShares: {type(self.applier).__name__} has no per-replica batches")
@@ -234,6 +248,13 @@ class PolicyRunner:
                 return "no change"
             ap.set_data_shares(shares)
             return f"data shares {before or 'equal'} -> {shares or 'equal'} (micro-batches per replica)"
+        if isinstance(action, Replan):
+            report = ap.replan(list(action.boundaries), [list(r) for r in action.rank_mapping])
+            self.last_move = report.to_dict() if hasattr(report, "to_dict") else report
+            moved = self.last_move or {}
+            return (f"pipeline moved to boundaries {list(action.boundaries)}, mapping "
+                    f"{[list(r) for r in action.rank_mapping]} in {moved.get('seconds', float('nan')):.2f} s, "
+                    f"{moved.get('bytes_moved', 0) / 1e6:.1f} MB moved" + (f" ({action.reason})" if action.reason else ""))
         raise TypeError(f"unknown action {action!r}")
 
     def sync_lr(self) -> None:

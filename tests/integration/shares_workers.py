@@ -147,3 +147,55 @@ def resume_with_shares(ckpt_dir: str, steps: int = 5, save_at: int = 3, stages: 
                       "stage": eng.stage_id, "weights": {n: p.detach().clone() for n, p in eng.module.named_parameters()}}
         del eng
     return out
+
+
+class ReplanAt:
+    """A user's re-plan policy (plugin template): at step `at`, move to the given plan."""
+
+    def __new__(cls, **options):
+        from pdv_ext.policy.base import Policy, Replan
+
+        class _At(Policy):
+            name = "replan_at"
+
+            def after_step(self, metrics):
+                if metrics["step"] == options["at"]:
+                    return [Replan(options["boundaries"], options["rank_mapping"], reason="test")]
+                return []
+
+        return _At({})
+
+
+def replan_by_action(steps: int = 5, at: int = 2, seed: int = 7) -> Dict[str, Any]:
+    """Pipe 2 x data 2 moved to pipe 4 by a policy's Replan inside train_batch: training goes on through the
+    same engine object, the runner logged the move's cost; and the same run without the move."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.pipe import PipelineModule
+
+    import pdv_ext
+    from pdv_ext.models import mlp_layers, seed_layer
+    from pdv_ext.policy.data import ElasticBatches
+
+    from tests.integration.engine_mode_workers import mode_config
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    out: Dict[str, Any] = {}
+    for label in ("moved", "still"):
+        torch.manual_seed(seed)
+        model = PipelineModule(layers=mlp_layers(8, 16, D_IN, D_OUT), num_stages=2,
+                               loss_fn=torch.nn.CrossEntropyLoss(), seed_layers=True, seed_fn=seed_layer,
+                               base_seed=seed, partition_method="uniform")
+        cfg = mode_config("fp32", 4, 2, 2, 1e-2, "AdamW")
+        plugins = [{"name": "tests.integration.shares_workers:ReplanAt", "at": at if label == "moved" else -1,
+                    "boundaries": [0, 2, 4, 6, 8], "rank_mapping": [[3], [2], [1], [0]]}]
+        cfg["pdv"] = {"policy": {"plugins": plugins, "on_error": "raise"}}
+        eng = pdv_ext.initialize(model=model, config=cfg, model_parameters=[p for p in model.parameters()])[0]
+        data = ElasticBatches.for_engine(eng, _dataset(), seed=seed)
+        ident = id(eng)
+        losses = [float(eng.train_batch(data_iter=data)) for _ in range(steps)]
+        out[label] = {"losses": losses, "same_object": id(eng) == ident, "stages": eng.num_stages,
+                      "parts": list(eng.module.parts), "last_move": eng.pdv_policy.runner.last_move,
+                      "log": eng.pdv_policy.runner.action_log}
+        del eng
+    return out

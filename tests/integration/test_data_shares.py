@@ -64,3 +64,18 @@ def test_checkpoint_with_unequal_shares_resumes_exactly(tmp_path):
         if r["full"]["stage"] == 0:  # the resumed replica reads what the full run read after the checkpoint
             cut = len(full["seen"]) - len(resumed["seen"])
             assert resumed["seen"] == full["seen"][cut:]
+
+
+@pytest.mark.timeout(300)
+def test_a_policys_replan_moves_the_running_pipeline():
+    """The Replan action end to end: decided by a plugin, agreed by the runner, applied inside train_batch by
+    pdv_ext.placement.move; the user's engine object trains on, within rounding of the run that did not move."""
+    res = run_ranks("tests.integration.shares_workers:replan_by_action", 4, {}, timeout=280)
+    for r in res:
+        moved, still = r["moved"], r["still"]
+        assert moved["same_object"] and moved["stages"] == 4 and moved["parts"] == [0, 2, 4, 6, 8]
+        assert still["stages"] == 2 and still["last_move"] is None
+        assert moved["last_move"]["seconds"] > 0 and moved["last_move"]["bytes_moved"] > 0
+        assert [a["action"] for _, a in moved["log"]] == ["Replan"]
+        assert moved["losses"][:2] == still["losses"][:2]
+        assert moved["losses"] == pytest.approx(still["losses"], rel=1e-5)

@@ -1,0 +1,219 @@
+"""`replan`: re-plan the pipeline while training when a device's measured speed leaves the plan's assumption.
+
+The start-up mapper chose stage boundaries and rank placement for the cluster as described (or probed). When
+a device slows down for good (it throttles, a neighbour's job shares it), that plan is wrong for the rest of
+the job: in a pipeline the slow stage holds back every micro-batch of every replica. Per agreement step the
+policy compares each rank's measured compute time per micro-batch with what the cost model predicts for its
+layers on its device (the layer profile over the device's throughput): the median ratio calibrates the model
+to this run (the profile's device is not these devices), and a rank whose ratio stays off the median by more
+than `threshold` for `patience` agreement steps makes its device's throughput in the cluster model follow the
+measurement. Then the same solver as start-up plans again (same number of stages) and the policy compares:
+
+- the step the re-plan predicts with the step the current plan now gets (both from the cost model,
+  calibrated), times the remaining steps (`total_steps`), against the cost of moving (the last move's
+  measured seconds; before any move `move_cost_steps` x the step time): it acts only when the saving is
+  larger (the log line gives both numbers);
+- with data-parallel replicas, a data-share split alone (`pdv_ext.policy.shares`, no move): when that
+  predicts a step within `shares_margin` of the re-plan's, it is chosen instead (no move, no cost).
+
+When the slowdown ends the measured speed comes back above the model's and the same rule moves the
+pipeline back. `decisions` records every choice with its predicted step times (calibrated seconds).
+Needs `pdv.placement` with a cluster and a profile (the start-up planning's), or the `cluster` and `profile`
+options.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any, Dict, List, Optional
+
+from pydantic import Field
+
+from ...config_base import StrictModel
+from ...placement.cluster import Cluster
+from ...placement.cost import evaluate
+from ...placement.profile import Profile
+from ...placement.solvers import solve
+from ..base import Action, Policy, Replan, SetDataShares, TrainContext, register_policy
+from ..shares import best_shares, predicted_step
+
+
+@register_policy("replan")
+class ReplanPolicy(Policy):
+
+    class Options(StrictModel):
+        #: a device is off when its measured speed differs from the model's by more than this factor
+        threshold: float = Field(1.3, gt=1.0)
+        #: agreement steps in a row a device must stay off before the policy plans again
+        patience: int = Field(3, ge=1)
+        #: weight of the past in the smoothed measured/predicted ratio per rank
+        ema: float = Field(0.3, ge=0.0, lt=1.0)
+        #: agreement steps ignored at the start and after every change
+        warmup_steps: int = Field(2, ge=0)
+        #: the run's length in steps (the saving is counted over what remains); None: `horizon_steps`
+        total_steps: Optional[int] = Field(None, ge=1)
+        horizon_steps: int = Field(200, ge=1)
+        #: the move's cost before one was measured, in steps of the current step time
+        move_cost_steps: float = Field(3.0, ge=0.0)
+        #: take a data-share split instead of a move when it predicts a step within this fraction of it
+        shares_margin: float = Field(0.05, ge=0.0)
+        #: whether a data-share split may be chosen at all (needs data-parallel replicas)
+        allow_shares: bool = True
+        #: override pdv.placement's cluster YAML / profile JSON
+        cluster: Optional[str] = None
+        profile: Optional[str] = None
+
+    def __init__(self, options: Any = None, **kwargs: Any):
+        super().__init__(options, **kwargs)
+        self.placement: Optional[Dict[str, Any]] = None
+        self.cluster: Optional[Cluster] = None
+        self.profile: Optional[Profile] = None
+        self.plan: Optional[Dict[str, Any]] = None  # boundaries, rank_mapping in force
+        self.ratios: Optional[List[float]] = None
+        self.seen = 0
+        self.streak = 0
+        self.throughputs: Optional[List[float]] = None  # the cluster model's, as measured so far
+        #: every change: {"step", "kind" (replan|shares), "predicted_before", "predicted_after", "saving",
+        #: "move_cost", "throughputs", ...}
+        self.decisions: List[Dict[str, Any]] = []
+
+    # ---- set-up --------------------------------------------------------------------------------------
+    def on_train_begin(self, ctx: TrainContext) -> None:
+        pl = ctx.extra.get("placement")
+        if pl is None:
+            raise ValueError("replan: this framework has no pipeline placement to re-plan")
+        self.placement = dict(pl)
+        if self.plan is None:
+            self.plan = {"boundaries": list(pl["boundaries"]), "rank_mapping": [list(r) for r in pl["rank_mapping"]]}
+
+    def _load(self) -> None:
+        if self.cluster is not None:
+            return
+        pl = self.placement or {}
+        cluster, profile = self.options.cluster or pl.get("cluster"), self.options.profile or pl.get("profile")
+        if not cluster or not profile:
+            raise ValueError("replan: needs the cluster YAML and the layer profile of the start-up plan "
+                             "(pdv.placement.cluster and .profile, or the policy's cluster/profile options)")
+        self.cluster, self.profile = Cluster.load(cluster), Profile.load(profile)
+        if self.throughputs is None:
+            self.throughputs = [float(d.throughput) for d in self.cluster.devices]
+
+    def _cluster_now(self) -> Cluster:
+        """The cluster model with the measured throughputs."""
+        d = self.cluster.to_dict()
+        devices = self.cluster.devices
+        d.pop("hosts", None)
+        d["devices"] = [{**dev.model_dump(exclude_none=True), "throughput": t} for dev, t in zip(devices, self.throughputs)]
+        d.pop("events", None)
+        return Cluster.from_dict(d, source="replan's cluster model")
+
+    # ---- the model of a plan -----------------------------------------------------------------------
+    def _stage_compute(self, cluster: Cluster, plan: Dict[str, Any]) -> Dict[int, float]:
+        """Predicted forward+backward seconds per micro-batch of every rank under `plan` and `cluster`."""
+        fb = self.profile.arrays()["fwd_bwd"]
+        b = plan["boundaries"]
+        out = {}
+        for s, row in enumerate(plan["rank_mapping"]):
+            work = float(fb[b[s]:b[s + 1]].sum())
+            for r in row:
+                out[int(r)] = work / cluster.speed(int(r))
+        return out
+
+    def _replica_times(self, cluster: Cluster, plan: Dict[str, Any]) -> List[float]:
+        """Seconds per micro-batch of every replica's slowest stage (the data-share formula's input)."""
+        per = self._stage_compute(cluster, plan)
+        rows = plan["rank_mapping"]
+        return [max(per[int(rows[s][d])] for s in range(len(rows))) for d in range(len(rows[0]))]
+
+    # ---- the decision ------------------------------------------------------------------------------
+    def after_step(self, metrics: Dict[str, Any]) -> List[Action]:
+        compute = metrics.get("compute_times") or []
+        shares = metrics.get("data_shares")
+        replica_of = metrics.get("replica_of_rank")
+        if not compute or not shares or not replica_of or any(not (c > 0) for c in compute) or self.plan is None:
+            return []
+        self._load()
+        model = self._cluster_now()
+        pred = self._stage_compute(model, self.plan)
+        ratios = [compute[r] / shares[replica_of[r]] / pred[r] for r in range(len(compute))]
+        self.seen += 1
+        if self.seen <= self.options.warmup_steps:
+            self.ratios = None
+            return []
+        a = self.options.ema
+        self.ratios = ratios if self.ratios is None else [a * o + (1 - a) * n for o, n in zip(self.ratios, ratios)]
+        calib = statistics.median(self.ratios)  # the model's seconds -> this run's seconds
+        off = [rho / calib for rho in self.ratios]
+        lim = math.log(self.options.threshold)
+        if not any(abs(math.log(f)) > lim for f in off):
+            self.streak = 0
+            return []
+        self.streak += 1
+        if self.streak < self.options.patience:
+            return []
+        self.streak = 0
+        # the cluster model follows the measurement for the devices that are off
+        measured = [t / f if abs(math.log(f)) > lim else t for t, f in zip(self.throughputs, off)]
+        return self._choose(metrics, measured, calib)
+
+    def _choose(self, metrics: Dict[str, Any], measured: List[float], calib: float) -> List[Action]:
+        o = self.options
+        before = self.throughputs
+        self.throughputs = measured
+        cluster = self._cluster_now()
+        pl = self.placement
+        stages, replicas = len(self.plan["rank_mapping"]), len(self.plan["rank_mapping"][0])
+        total = int(sum(metrics["data_shares"]))
+        mb = total // replicas
+        step = int(metrics["step"])
+        remaining = (o.total_steps - step) if o.total_steps is not None else o.horizon_steps
+        now = evaluate(self.profile, cluster, self.plan["boundaries"], self.plan["rank_mapping"], mb,
+                       pl.get("schedule", "1f1b"), pl.get("aggregator", "mean")).step_time * calib
+        new = solve(pl.get("solver", "dp"), self.profile, cluster, stages, mb, schedule=pl.get("schedule", "1f1b"),
+                    aggregator=pl.get("aggregator", "mean"), **pl.get("solver_options", {}))
+        after = new.predicted_step_time * calib
+        last = metrics.get("last_move") or {}
+        step_time = float(metrics.get("step_time") or now)
+        cost = float(last["seconds"]) if last.get("seconds") else o.move_cost_steps * step_time
+        cost_kind = "measured" if last.get("seconds") else f"estimated as {o.move_cost_steps:g} steps"
+        saving = (now - after) * max(remaining, 0)
+        slow = [f"{self.cluster.devices[r].name} {m / t:.2f}x" for r, (m, t) in enumerate(zip(measured, before))
+                if m != t]
+        record = {"step": step, "predicted_before": now, "predicted_after": after, "saving": saving,
+                  "move_cost": cost, "throughputs": list(measured), "remaining_steps": remaining}
+        # the data-share alternative (no move), compared with the re-plan in the same formula
+        if o.allow_shares and replicas > 1:
+            t_now = self._replica_times(cluster, self.plan)
+            split = best_shares(t_now, total, stages)
+            t_new = self._replica_times(cluster, {"boundaries": new.boundaries, "rank_mapping": new.rank_mapping})
+            by_shares = predicted_step(split, t_now, stages)
+            by_move = predicted_step([total // replicas] * replicas, t_new, stages)
+            if by_shares <= by_move * (1.0 + o.shares_margin) and split != list(metrics["data_shares"]):
+                record.update(kind="shares", shares=split)
+                self.decisions.append(record)
+                self.seen = 0
+                return [SetDataShares(None if len(set(split)) == 1 else tuple(split))]
+        same = (new.boundaries == self.plan["boundaries"] and new.rank_mapping == self.plan["rank_mapping"])
+        if same or saving <= cost:
+            if not same:
+                record.update(kind="kept", boundaries=new.boundaries, rank_mapping=new.rank_mapping)
+                self.decisions.append(record)
+            return []
+        reason = (f"measured speeds {', '.join(slow)} of the model's; predicted step {now:.3f} s -> {after:.3f} s, "
+                  f"saving {saving:.1f} s over {remaining} steps > move cost {cost:.1f} s ({cost_kind})")
+        record.update(kind="replan", boundaries=new.boundaries, rank_mapping=new.rank_mapping, reason=reason)
+        self.decisions.append(record)
+        self.plan = {"boundaries": list(new.boundaries), "rank_mapping": [list(r) for r in new.rank_mapping]}
+        self.ratios, self.seen = None, 0  # new layers on every device: measure afresh
+        return [Replan(tuple(new.boundaries), tuple(tuple(r) for r in new.rank_mapping), reason=reason)]
+
+    # ---- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {"plan": self.plan, "ratios": self.ratios, "seen": self.seen, "streak": self.streak,
+                "throughputs": self.throughputs, "decisions": list(self.decisions)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.plan, self.ratios = state.get("plan"), state.get("ratios")
+        self.seen, self.streak = int(state.get("seen", 0)), int(state.get("streak", 0))
+        self.throughputs = state.get("throughputs")
+        self.decisions = list(state.get("decisions", []))

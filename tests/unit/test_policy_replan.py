@@ -1,0 +1,129 @@
+"""The `replan` policy on synthetic metrics: a device that stays slow makes it re-plan with the start-up
+solver (pipe 4), or split the data instead when that is as good (pipe 2 x data 2); a saving smaller than the
+move's cost, noise, and a short blip change nothing; a recovery moves back."""
+import yaml
+import pytest
+
+from pdv_ext.placement.cost import evaluate
+from pdv_ext.placement.profile import LayerProfile, Profile
+from pdv_ext.placement.cluster import Cluster
+from pdv_ext.policy.base import Replan, SetDataShares, TrainContext, build_policy
+
+LAYERS = 8
+
+
+@pytest.fixture
+def files(tmp_path):
+    prof = Profile([LayerProfile(f"l{i}", 0.01, 1e5, 1e4) for i in range(LAYERS)])
+    prof.save(str(tmp_path / "p.json"))
+    cl = {"devices": [{"name": f"d{i}", "host": "a", "throughput": 1.0} for i in range(4)],
+          "links": {"intra_host": {"bandwidth": "10 Gbit/s", "latency": "50us"}}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cl))
+    return str(tmp_path / "c.yaml"), str(tmp_path / "p.json")
+
+
+class Run:
+    """Ranks whose compute time is the profile's layers over their device's true speed (x a calibration)."""
+
+    def __init__(self, files, mapping, boundaries, total_mb=8, scale=3.0):
+        self.cluster, self.profile = files
+        self.plan = {"boundaries": list(boundaries), "rank_mapping": [list(r) for r in mapping]}
+        self.speed = [1.0] * 4
+        self.total, self.scale = total_mb, scale
+        self.shares = [total_mb // len(mapping[0])] * len(mapping[0])
+        self.step = 0
+
+    def ctx(self):
+        return TrainContext(world_size=4, dp_size=len(self.shares), micro_batch_size=4, micro_batches=self.shares[0],
+                            lr=1e-3, extra={"placement": {**self.plan, "cluster": self.cluster, "profile": self.profile,
+                                                          "solver": "dp", "schedule": "1f1b", "aggregator": "mean",
+                                                          "solver_options": {}}})
+
+    def metrics(self):
+        self.step += 1
+        b, rows = self.plan["boundaries"], self.plan["rank_mapping"]
+        compute, stage_of, replica_of = [0.0] * 4, [0] * 4, [0] * 4
+        for s, row in enumerate(rows):
+            for d, r in enumerate(row):
+                compute[r] = self.scale * 0.01 * (b[s + 1] - b[s]) / self.speed[r] * self.shares[d]
+                stage_of[r], replica_of[r] = s, d
+        return {"step": self.step, "compute_times": compute, "data_shares": list(self.shares),
+                "replica_of_rank": replica_of, "stage_of_rank": stage_of, "step_time": max(compute) * 1.5}
+
+    def apply(self, acts):
+        for a in acts:
+            if isinstance(a, Replan):
+                self.plan = {"boundaries": list(a.boundaries), "rank_mapping": [list(r) for r in a.rank_mapping]}
+            elif isinstance(a, SetDataShares):
+                self.shares = list(a.shares) if a.shares else [self.total // len(self.shares)] * len(self.shares)
+
+
+def run(pol, r, steps):
+    out = []
+    for _ in range(steps):
+        acts = pol.after_step(r.metrics())
+        out += [(r.step, a) for a in acts]
+        r.apply(acts)
+    return out
+
+
+def test_pipe4_slow_device_is_replanned_and_moved_back(files):
+    r = Run(files, [[0], [1], [2], [3]], [0, 2, 4, 6, 8])
+    pol = build_policy({"name": "replan", "total_steps": 500})
+    pol.on_train_begin(r.ctx())
+    assert run(pol, r, 10) == []  # calm: nothing
+    r.speed[3] = 0.4
+    acts = run(pol, r, 10)
+    assert len(acts) == 1 and isinstance(acts[0][1], Replan)
+    new = acts[0][1]
+    assert new.boundaries[-1] - new.boundaries[-2] < 2 or 3 not in [row[0] for row in new.rank_mapping[-1:]]
+    d = pol.decisions[-1]
+    assert d["kind"] == "replan" and d["predicted_after"] < d["predicted_before"] and d["saving"] > d["move_cost"]
+    assert "saving" in new.reason and "move cost" in new.reason
+    cl = Cluster.load(files[0])
+    slow = cl.to_dict()
+    slow["devices"][3]["throughput"] = 0.4
+    before = evaluate(Profile.load(files[1]), Cluster.from_dict(slow), [0, 2, 4, 6, 8], [[0], [1], [2], [3]], 8).step_time
+    after = evaluate(Profile.load(files[1]), Cluster.from_dict(slow), list(new.boundaries),
+                     [list(x) for x in new.rank_mapping], 8).step_time
+    assert after < 0.8 * before
+    assert run(pol, r, 20) == []  # the model now holds the measured speed: no churn
+    r.speed[3] = 1.0
+    back = run(pol, r, 20)
+    assert len(back) == 1 and isinstance(back[0][1], Replan)
+
+
+def test_small_saving_or_blip_changes_nothing(files):
+    r = Run(files, [[0], [1], [2], [3]], [0, 2, 4, 6, 8])
+    pol = build_policy({"name": "replan", "total_steps": 20})  # few steps left: the move would not pay
+    pol.on_train_begin(r.ctx())
+    run(pol, r, 10)
+    r.speed[3] = 0.4
+    assert run(pol, r, 20) == []
+    assert pol.decisions and pol.decisions[-1]["kind"] == "kept"
+    pol = build_policy({"name": "replan", "total_steps": 500})
+    r = Run(files, [[0], [1], [2], [3]], [0, 2, 4, 6, 8])
+    pol.on_train_begin(r.ctx())
+    run(pol, r, 5)
+    r.speed[3] = 0.4
+    run(pol, r, 2)  # fewer agreement steps than `patience`
+    r.speed[3] = 1.0
+    assert run(pol, r, 20) == []
+
+
+def test_pipe2x2_prefers_data_shares_when_they_do_as_well(files):
+    r = Run(files, [[0, 1], [2, 3]], [0, 4, 8])
+    pol = build_policy({"name": "replan", "total_steps": 500})
+    pol.on_train_begin(r.ctx())
+    run(pol, r, 5)
+    r.speed[1] = 0.4  # stage 0 of replica 1
+    acts = run(pol, r, 10)
+    assert acts and isinstance(acts[0][1], SetDataShares)
+    assert acts[0][1].shares[1] < acts[0][1].shares[0]
+    pol = build_policy({"name": "replan", "total_steps": 500, "allow_shares": False})
+    r = Run(files, [[0, 1], [2, 3]], [0, 4, 8])
+    pol.on_train_begin(r.ctx())
+    run(pol, r, 5)
+    r.speed[1] = 0.4
+    acts = run(pol, r, 10)
+    assert acts and isinstance(acts[0][1], Replan)
