@@ -169,6 +169,7 @@ def rank_main(args: Dict[str, Any]) -> int:
 
     import pdv_ext
     from ..emulate.events import mark_start
+    from ..integrations.topology import current_mapping
     from ..models import ByteWindows, TextWindows, gpt_layers, lm_loss, seed_layer, text_splits
     from ..policy.data import ElasticBatches
 
@@ -180,6 +181,8 @@ def rank_main(args: Dict[str, Any]) -> int:
                            loss_fn=lm_loss, seed_layers=True, seed_fn=seed_layer, base_seed=run.seed,
                            partition_method="parameters")
     pdv: Dict[str, Any] = {"aggregation": {"type": "mean"}}
+    if args.get("placement"):  # pipelines: the start-up plan (cluster + profile), or the oracle's plan file
+        pdv["placement"] = args["placement"]
     if args.get("shares"):
         pdv["data_shares"] = list(args["shares"])
     if args.get("policy"):
@@ -199,13 +202,21 @@ def rank_main(args: Dict[str, Any]) -> int:
     if rank0:
         mark_start()  # the events' clock starts with the first timed step
     start = time.time()
-    ends, durations, shares = [], [], []
-    for _ in range(run.steps):
+    ends, durations, shares, moves, plans = [], [], [], [], []
+    runner = engine.pdv_policy.runner if engine.pdv_policy is not None else None
+    last = None
+    for i in range(run.steps):
         t0 = time.perf_counter()
         engine.train_batch(data_iter=data)
         durations.append(time.perf_counter() - t0)
         ends.append(time.time())
         shares.append(list(engine.data_shares) if engine.data_shares is not None else None)
+        if runner is not None and runner.last_move is not last:  # a Replan moved the pipeline in this step
+            last = runner.last_move
+            moves.append({"step": i + 1, **{k: last[k] for k in ("seconds", "bytes_moved", "phases", "new_plan")}})
+        plan = [list(map(int, engine.module.parts)), current_mapping(engine.module)]
+        if not plans or plans[-1][1:] != plan:
+            plans.append([i + 1] + plan)
     train_s = time.time() - start
     # held-out loss: the same fixed windows for every run (each replica evaluates them; they agree)
     xs, ys = ByteWindows(held_text, m.seq_len, 1, seed=999).batch(0, run.held_out)
@@ -214,14 +225,26 @@ def rank_main(args: Dict[str, Any]) -> int:
     held = float(engine.eval_batch(data_iter=iter(batches), num_micro_batches=len(batches)))
     glue = engine.pdv_policy
     decisions: List[Dict[str, Any]] = []
+    predictions: List[Dict[str, Any]] = []
     if glue is not None and glue.runner is not None:
         for step, action in glue.runner.action_log:
             if action.get("action") == "SetDataShares":
                 decisions.append({"step": int(step) - run.warmup_steps, "shares": action.get("shares"),
                                   "source": action.get("source")})
+            elif action.get("action") == "Replan":
+                decisions.append({"step": int(step) - run.warmup_steps, "replan": True,
+                                  "boundaries": list(action["boundaries"]),
+                                  "rank_mapping": [list(r) for r in action["rank_mapping"]],
+                                  "reason": action.get("reason"), "source": action.get("source")})
+        for pol in glue.runner.policies:  # what the replan policy predicted for each choice (seconds)
+            for d in getattr(pol, "decisions", []):
+                if "predicted_before" in d:
+                    predictions.append({k: v for k, v in d.items() if k != "throughputs"}
+                                       | {"step": int(d["step"]) - run.warmup_steps})
     if rank0:
         out = {"start": start, "ends": ends, "durations": durations, "shares": shares, "train_seconds": train_s,
                "held_out_loss": held, "decisions": decisions, "global_batch": int(engine.train_batch_size()),
+               "moves": [dict(m, step=m["step"]) for m in moves], "plans": plans, "predictions": predictions,
                "samples": int(engine.train_batch_size()) * run.steps}
         with open(args["out"], "w", encoding="utf-8") as f:
             json.dump(out, f)
@@ -279,7 +302,8 @@ def adaptation_delays(result: Dict[str, Any], steps_hit: List[Optional[int]], ev
     return out
 
 
-def _run(kind: str, sc, spec, events, workdir: str, shares: Optional[List[int]], policy: Optional[dict]) -> Dict[str, Any]:
+def _run(kind: str, sc, spec, events, workdir: str, shares: Optional[List[int]], policy: Optional[dict],
+         placement: Optional[dict] = None) -> Dict[str, Any]:
     from ..emulate.launcher import Emulation
 
     os.makedirs(workdir, exist_ok=True)
@@ -290,10 +314,12 @@ def _run(kind: str, sc, spec, events, workdir: str, shares: Optional[List[int]],
             os.remove(p)
     args_path = os.path.join(workdir, "args.json")
     with open(args_path, "w", encoding="utf-8") as f:
-        json.dump({"run": sc.run.model_dump(), "shares": shares, "policy": policy, "out": out}, f)
+        json.dump({"run": sc.run.model_dump(), "shares": shares, "policy": policy, "placement": placement,
+                   "out": out}, f)
     cmd = [sys.executable, "-m", "pdv_ext.bench.adapt", "--rank", args_path]
     log(f"adapt: {kind} run ({'shares ' + str(shares) if shares else 'equal shares'}"
-        f"{', policies ' + json.dumps(policy) if policy else ''})")
+        f"{', policies ' + json.dumps(policy) if policy else ''}"
+        f"{', plan ' + placement['plan'] if placement and placement.get('plan') else ''})")
     emu = Emulation(spec, cmd, timeout=sc.run.timeout, out=sys.stderr.buffer, events=events, events_log=events_log,
                     events_clock="mark")
     code = emu.run()
@@ -303,6 +329,88 @@ def _run(kind: str, sc, spec, events, workdir: str, shares: Optional[List[int]],
         result = json.load(f)
     result["events_log"] = read_events_log(events_log)
     return result
+
+
+def _with_total_steps(policy: Dict[str, Any], total: int) -> Dict[str, Any]:
+    """The adaptive run's policy section with `total_steps` filled in for `replan` plugins that lack it (the
+    run's length is known here: warm-up plus timed steps)."""
+    out = json.loads(json.dumps(policy))
+    for p in out.get("plugins", []):
+        if p.get("name") == "replan":
+            p.setdefault("total_steps", total)
+    return out
+
+
+def pipeline_placement(sc, cluster, workroot: str) -> Dict[str, Any]:
+    """`pdv.placement` of the static and adaptive pipeline runs: plan at start-up with the `dp` solver for the
+    cluster as it starts (events left out), from a layer profile that the first run measures on rank 0's
+    device (under its quota) and the others reuse."""
+    os.makedirs(workroot, exist_ok=True)
+    cpath, ppath = os.path.join(workroot, "cluster.yaml"), os.path.join(workroot, "profile.json")
+    with open(cpath, "w", encoding="utf-8") as f:
+        yaml_dump(cluster.with_throughputs([d.throughput for d in cluster.devices]).to_dict(), f)
+    if os.path.exists(ppath):
+        os.remove(ppath)  # profiled afresh by this job's first run
+    m, run = sc.run.model, sc.run
+    return {"cluster": cpath, "profile": ppath, "solver": "dp", "num_stages": run.pipe,
+            "micro_batches": run.micro_batches, "input_shape": [run.micro_batch, m.seq_len],
+            "input_dtype": "int64", "input_high": 256}
+
+
+def yaml_dump(data: Any, f: Any) -> None:
+    import yaml
+
+    yaml.safe_dump(data, f, sort_keys=False)
+
+
+def oracle_pipeline_plan(sc, cluster, events, placement: Dict[str, Any], workroot: str) -> Dict[str, Any]:
+    """The plan the mapper makes for the cluster after the last event (the profile the runs measured, the
+    same solver), written where the oracle run reads it; and the start-up plan for comparison."""
+    from ..placement.profile import Profile
+    from ..placement.solvers import solve
+
+    if not os.path.exists(placement["profile"]):
+        raise RuntimeError("the oracle's plan needs the layer profile the static or adaptive run measures first")
+    prof = Profile.load(placement["profile"])
+    start = solve("dp", prof, cluster.with_throughputs([d.throughput for d in cluster.devices]), sc.run.pipe,
+                  sc.run.micro_batches)
+    end = solve("dp", prof, cluster.with_throughputs(final_throughputs(cluster, events)), sc.run.pipe,
+                sc.run.micro_batches)
+    path = os.path.join(workroot, "oracle_plan.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(end.to_dict(), f)
+    same = end.boundaries == start.boundaries and end.rank_mapping == start.rank_mapping
+    return {"path": path, "boundaries": end.boundaries, "rank_mapping": end.rank_mapping,
+            "predicted_step_time": end.predicted_step_time, "same_as_start": same,
+            "start": {"boundaries": start.boundaries, "rank_mapping": start.rank_mapping,
+                      "predicted_step_time": start.predicted_step_time}}
+
+
+def replan_figures(result: Dict[str, Any], event_steps: List[Optional[int]], window: int = 8) -> List[Dict[str, Any]]:
+    """Per move of the adaptive run: its measured cost (seconds, bytes, in step times), and the step time the
+    replan policy predicted before and after it against the median measured in `window` steps on each
+    side (after the last event before it; the step that moved excluded)."""
+    import statistics
+
+    out = []
+    dur = result["durations"]
+    preds = [p for p in result.get("predictions", []) if p.get("kind") == "replan"]
+    for mv in result["moves"]:
+        k = mv["step"]  # 1-based: the step whose end moved the pipeline
+        hit = max([e for e in event_steps if e is not None and e <= k] or [1])
+        before = dur[max(hit, k - window) - 1:k - 1] or dur[k - 1:k]
+        after = dur[k:k + window]
+        pred = next((p for p in reversed(preds) if p["step"] <= k), None)
+        mb, ma = statistics.median(before), (statistics.median(after) if after else None)
+        fig = {"step": k, "move_seconds": mv["seconds"], "bytes_moved": mv["bytes_moved"],
+               "move_in_steps": mv["seconds"] / mb, "measured_step_before": mb, "measured_step_after": ma,
+               "new_plan": mv.get("new_plan")}
+        if pred is not None:
+            fig.update(predicted_step_before=pred["predicted_before"], predicted_step_after=pred["predicted_after"])
+            if ma:
+                fig["prediction_error_after"] = abs(pred["predicted_after"] - ma) / ma
+        out.append(fig)
+    return out
 
 
 def summarize(kind: str, result: Dict[str, Any], every: int) -> Dict[str, Any]:
@@ -356,19 +464,39 @@ def main(argv: Optional[List[str]] = None) -> int:
     every = int(sc.run.policy.get("every", 1))
     workroot = os.path.join(ARTIFACTS, name)
     results: Dict[str, Dict[str, Any]] = {}
+    placement, oracle_plan = None, None
+    policy = _with_total_steps(sc.run.policy, sc.run.warmup_steps + sc.run.steps)
+    if sc.run.pipe > 1:  # pipelines: the mapper plans at start-up; the oracle runs its plan for the end state
+        placement = pipeline_placement(sc, cluster, workroot)
     for kind in kinds:
-        if kind not in only or (kind == "oracle" and oracle is None):
+        if kind not in only:
             continue
+        if kind == "oracle" and placement is not None:
+            oracle_plan = oracle_pipeline_plan(sc, cluster, events, placement, workroot)
+            if oracle_plan["same_as_start"]:
+                continue
+        elif kind == "oracle" and oracle is None:
+            continue
+        where = {"plan": oracle_plan["path"]} if kind == "oracle" and oracle_plan else placement
         results[kind] = _run(kind, sc, spec, events, os.path.join(workroot, kind),
-                             oracle if kind == "oracle" else None, sc.run.policy if kind == "adaptive" else None)
+                             oracle if kind == "oracle" and placement is None else None,
+                             policy if kind == "adaptive" else None, where)
+    if placement is not None:
+        oracle = None  # a pipeline's oracle is the mapper's plan, not a data split
+    oracle_is_static = (oracle_plan or {}).get("same_as_start", True) if placement is not None else oracle is None
     summary: Dict[str, Any] = {"scenario": name, "events": [e.model_dump() for e in events],
                                "global_batch": sc.run.micro_batch * sc.run.micro_batches * sc.run.data,
-                               "steps": sc.run.steps, "oracle_shares": oracle, "oracle_is_static": oracle is None,
-                               "policy": sc.run.policy}
+                               "steps": sc.run.steps, "oracle_shares": oracle, "oracle_is_static": oracle_is_static,
+                               "policy": policy}
+    if oracle_plan is not None:
+        summary["oracle_plan"] = {k: oracle_plan[k] for k in ("boundaries", "rank_mapping", "predicted_step_time")}
+        summary["start_plan"] = oracle_plan["start"]
     for kind, res in results.items():
         summary[kind] = summarize(kind, res, every)
-    if oracle is None and "static" in summary:
+    if oracle_is_static and "static" in summary:
         summary["oracle"] = summary["static"]
+    if "adaptive" in results and results["adaptive"].get("moves"):
+        summary["adaptive"]["replans"] = replan_figures(results["adaptive"], summary["adaptive"]["event_steps"])
     if "adaptive" in summary:
         ad = summary["adaptive"]["wall_seconds"]
         for base in ("static", "oracle"):
@@ -379,8 +507,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             summary["held_out_loss_vs_static"] = summary["adaptive"]["held_out_loss"] / st - 1.0
         delays = [d["agreement_steps"] for d in summary["adaptive"].get("adaptations", []) if d["agreement_steps"]]
         summary["max_agreement_steps_to_adapt"] = max(delays) if delays else None
-    full = dict(summary, series={k: {kk: v[kk] for kk in ("start", "ends", "durations", "shares", "decisions",
-                                                          "global_batch", "events_log")}
+    full = dict(summary, series={k: {kk: v.get(kk) for kk in ("start", "ends", "durations", "shares", "decisions",
+                                                              "global_batch", "events_log", "moves", "plans")}
                                  for k, v in results.items()})
     path = a.out or os.path.join(ARTIFACTS, f"{name}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections import Counter
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
@@ -218,6 +218,16 @@ class Cluster:
 
     def to_dict(self) -> Dict[str, Any]:
         return self.spec.model_dump(exclude_none=True)
+
+    def with_throughputs(self, throughputs: Sequence[float], source: str = "cluster") -> "Cluster":
+        """The same cluster with every device's throughput replaced (in rank order): what a cluster looks like
+        after a device slowed down or recovered. Events and the hosts shorthand are not carried."""
+        d = self.to_dict()
+        d.pop("hosts", None)
+        d.pop("events", None)
+        d["devices"] = [{**dev.model_dump(exclude_none=True), "throughput": float(t)}
+                        for dev, t in zip(self.devices, throughputs)]
+        return Cluster.from_dict(d, source=source)
 
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:

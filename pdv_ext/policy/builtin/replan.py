@@ -9,8 +9,9 @@ to this run (the profile's device is not these devices), and a rank whose ratio 
 than `threshold` for `patience` agreement steps makes its device's throughput in the cluster model follow the
 measurement. Then the same solver as start-up plans again (same number of stages) and the policy compares:
 
-- the step the re-plan predicts with the step the current plan now gets (both from the cost model,
-  calibrated), times the remaining steps (`total_steps`), against the cost of moving (the last move's
+- the step the re-plan predicts with the step the current plan now gets (both from the cost model, in this
+  run's seconds: scaled by how the measured step compared with the model's while the model held), times
+  the remaining steps (`total_steps`), against the cost of moving (the last move's
   measured seconds; before any move `move_cost_steps` x the step time): it acts only when the saving is
   larger (the log line gives both numbers);
 - with data-parallel replicas, a data-share split alone (`pdv_ext.policy.shares`, no move): when that
@@ -73,6 +74,8 @@ class ReplanPolicy(Policy):
         self.seen = 0
         self.streak = 0
         self.throughputs: Optional[List[float]] = None  # the cluster model's, as measured so far
+        #: measured step time / the cost model's step time while the model held (its seconds -> the run's)
+        self.step_calib: Optional[float] = None
         #: every change: {"step", "kind" (replan|shares), "predicted_before", "predicted_after", "saving",
         #: "move_cost", "throughputs", ...}
         self.decisions: List[Dict[str, Any]] = []
@@ -100,12 +103,7 @@ class ReplanPolicy(Policy):
 
     def _cluster_now(self) -> Cluster:
         """The cluster model with the measured throughputs."""
-        d = self.cluster.to_dict()
-        devices = self.cluster.devices
-        d.pop("hosts", None)
-        d["devices"] = [{**dev.model_dump(exclude_none=True), "throughput": t} for dev, t in zip(devices, self.throughputs)]
-        d.pop("events", None)
-        return Cluster.from_dict(d, source="replan's cluster model")
+        return self.cluster.with_throughputs(self.throughputs, source="replan's cluster model")
 
     # ---- the model of a plan -----------------------------------------------------------------------
     def _stage_compute(self, cluster: Cluster, plan: Dict[str, Any]) -> Dict[int, float]:
@@ -147,6 +145,15 @@ class ReplanPolicy(Policy):
         lim = math.log(self.options.threshold)
         if not any(abs(math.log(f)) > lim for f in off):
             self.streak = 0
+            # while the model holds: how this run's whole step relates to the cost model's (the profile's
+            # device is not these devices, and the model leaves some per-step work out)
+            step_time = float(metrics.get("step_time") or 0.0)
+            if step_time > 0:
+                pl = self.placement
+                ratio = step_time / evaluate(self.profile, model, self.plan["boundaries"], self.plan["rank_mapping"],
+                                             int(sum(shares)) // len(shares), pl.get("schedule", "1f1b"),
+                                             pl.get("aggregator", "mean")).step_time
+                self.step_calib = ratio if self.step_calib is None else a * self.step_calib + (1 - a) * ratio
             return []
         self.streak += 1
         if self.streak < self.options.patience:
@@ -154,9 +161,10 @@ class ReplanPolicy(Policy):
         self.streak = 0
         # the cluster model follows the measurement for the devices that are off
         measured = [t / f if abs(math.log(f)) > lim else t for t, f in zip(self.throughputs, off)]
-        return self._choose(metrics, measured, calib)
+        return self._choose(metrics, measured, self.step_calib or calib)
 
     def _choose(self, metrics: Dict[str, Any], measured: List[float], calib: float) -> List[Action]:
+        """`calib`: the cost model's seconds -> this run's (the step calibration, else the compute one)."""
         o = self.options
         before = self.throughputs
         self.throughputs = measured
@@ -210,10 +218,11 @@ class ReplanPolicy(Policy):
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         return {"plan": self.plan, "ratios": self.ratios, "seen": self.seen, "streak": self.streak,
-                "throughputs": self.throughputs, "decisions": list(self.decisions)}
+                "throughputs": self.throughputs, "step_calib": self.step_calib, "decisions": list(self.decisions)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.plan, self.ratios = state.get("plan"), state.get("ratios")
         self.seen, self.streak = int(state.get("seen", 0)), int(state.get("streak", 0))
         self.throughputs = state.get("throughputs")
+        self.step_calib = state.get("step_calib")
         self.decisions = list(state.get("decisions", []))
