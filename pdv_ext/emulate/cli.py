@@ -90,27 +90,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     check_ranges(ap, args, positive=["--timeout", "--cpu-budget", "--top-share"])
     if args.top_share is not None and args.top_share > (os.cpu_count() or 1):
         ap.error(f"--top-share {args.top_share:g} is more than this machine's {os.cpu_count() or 1} cores")
-    try:
+    try:  # the cluster, then every event checked and worked out here, before anything exists
         cluster = Cluster.load(args.cluster)
         spec = from_cluster(cluster)
-    except ConfigError as exc:  # the loader's lines name the file and the bad key
-        for line in exc.errors:
-            print(f"pdv emulate: {line}", file=sys.stderr)
-        return 2
-    except Exception as exc:
-        print(f"pdv emulate: {args.cluster}: {exc}", file=sys.stderr)
-        return 2
-    try:  # every event checked and worked out here, before anything exists
         events = load_timeline(cluster.spec.events, args.cluster, args.events, spec)
         em = launcher.Emulation(spec, command, timeout=args.timeout, cpu_budget=args.cpu_budget,
                                 top_share=args.top_share, run_name=args.run_name, events=events,
                                 events_log=args.events_log, events_clock=args.events_clock)
-    except ConfigError as exc:  # one line per bad event, each naming its file, index and key
+    except ConfigError as exc:  # one line per problem, each naming its file and key (an event: its index)
         for line in exc.errors:
             print(f"pdv emulate: {line}", file=sys.stderr)
         return 2
-    except ValueError as exc:
-        print(f"pdv emulate: {exc}", file=sys.stderr)
+    except ValueError as exc:  # the cluster does not fit the emulated network, or a timeline value
+        print(f"pdv emulate: {args.cluster}: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
         print(describe(em))

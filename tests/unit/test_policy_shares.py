@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from pdv_ext.policy.base import SetDataShares, action_from_dict
-from pdv_ext.policy.data import ElasticBatches
 from pdv_ext.policy.shares import best_shares, check_shares, equal_shares, predicted_step, shares_by_throughput
+from tests.unit.test_policy_data import _replicas
 
 
 def test_best_shares_balances_the_replicas():
@@ -47,11 +47,6 @@ def test_action_round_trips():
     a = SetDataShares([3, 1], source="p")
     assert a.shares == (3, 1)
     assert action_from_dict(a.to_dict()) == a
-
-
-def _replicas(n, mbs, dp, seed=1):
-    x = torch.arange(n)
-    return [ElasticBatches((x, x * 10), mbs, d, dp, seed=seed, record=True) for d in range(dp)]
 
 
 def _step(its, shares):
