@@ -297,15 +297,28 @@ def adaptation_delays(result: Dict[str, Any], steps_hit: List[Optional[int]], ev
             out.append({"event_step": s, "adapted_at_step": None, "steps": None, "agreement_steps": None})
             continue
         steps = first["step"] - s + 1
-        out.append({"event_step": s, "adapted_at_step": first["step"], "shares": first["shares"], "steps": steps,
-                    "agreement_steps": math.ceil(steps / every)})
+        out.append({"event_step": s, "adapted_at_step": first["step"], "steps": steps,
+                    "agreement_steps": math.ceil(steps / every),
+                    **({"replan": {"boundaries": first["boundaries"], "rank_mapping": first["rank_mapping"]}}
+                       if first.get("replan") else {"shares": first.get("shares")})})
     return out
 
 
+def _saved(workdir: str) -> Dict[str, Any]:
+    """A run's rank-0 record and the emulator's events log, as the run left them in `workdir`."""
+    with open(os.path.join(workdir, "rank0.json"), encoding="utf-8") as f:
+        result = json.load(f)
+    result["events_log"] = read_events_log(os.path.join(workdir, "events.jsonl"))
+    return result
+
+
 def _run(kind: str, sc, spec, events, workdir: str, shares: Optional[List[int]], policy: Optional[dict],
-         placement: Optional[dict] = None) -> Dict[str, Any]:
+         placement: Optional[dict] = None, reuse: bool = False) -> Dict[str, Any]:
     from ..emulate.launcher import Emulation
 
+    if reuse:  # the figures again from what the last job of this scenario measured (nothing is run)
+        log(f"adapt: {kind} run: reusing the record in {workdir}")
+        return _saved(workdir)
     os.makedirs(workdir, exist_ok=True)
     out = os.path.join(workdir, "rank0.json")
     events_log = os.path.join(workdir, "events.jsonl")
@@ -325,10 +338,7 @@ def _run(kind: str, sc, spec, events, workdir: str, shares: Optional[List[int]],
     code = emu.run()
     if code != 0 or not os.path.exists(out):
         raise RuntimeError(f"the {kind} run failed (exit code {code}); its output is above")
-    with open(out, encoding="utf-8") as f:
-        result = json.load(f)
-    result["events_log"] = read_events_log(events_log)
-    return result
+    return _saved(workdir)
 
 
 def _with_total_steps(policy: Dict[str, Any], total: int) -> Dict[str, Any]:
@@ -341,7 +351,7 @@ def _with_total_steps(policy: Dict[str, Any], total: int) -> Dict[str, Any]:
     return out
 
 
-def pipeline_placement(sc, cluster, workroot: str) -> Dict[str, Any]:
+def pipeline_placement(sc, cluster, workroot: str, keep_profile: bool = False) -> Dict[str, Any]:
     """`pdv.placement` of the static and adaptive pipeline runs: plan at start-up with the `dp` solver for the
     cluster as it starts (events left out), from a layer profile that the first run measures on rank 0's
     device (under its quota) and the others reuse."""
@@ -349,7 +359,7 @@ def pipeline_placement(sc, cluster, workroot: str) -> Dict[str, Any]:
     cpath, ppath = os.path.join(workroot, "cluster.yaml"), os.path.join(workroot, "profile.json")
     with open(cpath, "w", encoding="utf-8") as f:
         yaml_dump(cluster.with_throughputs([d.throughput for d in cluster.devices]).to_dict(), f)
-    if os.path.exists(ppath):
+    if os.path.exists(ppath) and not keep_profile:
         os.remove(ppath)  # profiled afresh by this job's first run
     m, run = sc.run.model, sc.run
     return {"cluster": cpath, "profile": ppath, "solver": "dp", "num_stages": run.pipe,
@@ -436,6 +446,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated subset of static,adaptive,oracle")
     ap.add_argument("--out", default=None, help="where the full result goes (default build/bench-adapt/<name>.json)")
     ap.add_argument("--plot", default=None, help="also draw samples/s over time to this PNG (as `pdv plot adapt`)")
+    ap.add_argument("--reuse-runs", action="store_true",
+                    help="run nothing: compute the figures again from the runs the last job of this scenario saved "
+                         "in build/bench-adapt/<scenario>/ (e.g. after a change to the report)")
     a = ap.parse_args(argv)
     if a.steps is not None and a.steps < 1:
         ap.error(f"--steps must be >= 1 (got {a.steps})")
@@ -455,7 +468,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ..emulate.launcher import EmulationUnavailable, check_available
 
     try:
-        check_available()
+        if not a.reuse_runs:
+            check_available()
     except EmulationUnavailable as exc:
         print(f"pdv bench adapt: {exc}", file=sys.stderr)
         return 2
@@ -467,7 +481,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     placement, oracle_plan = None, None
     policy = _with_total_steps(sc.run.policy, sc.run.warmup_steps + sc.run.steps)
     if sc.run.pipe > 1:  # pipelines: the mapper plans at start-up; the oracle runs its plan for the end state
-        placement = pipeline_placement(sc, cluster, workroot)
+        placement = pipeline_placement(sc, cluster, workroot, keep_profile=a.reuse_runs)
     for kind in kinds:
         if kind not in only:
             continue
@@ -480,7 +494,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         where = {"plan": oracle_plan["path"]} if kind == "oracle" and oracle_plan else placement
         results[kind] = _run(kind, sc, spec, events, os.path.join(workroot, kind),
                              oracle if kind == "oracle" and placement is None else None,
-                             policy if kind == "adaptive" else None, where)
+                             policy if kind == "adaptive" else None, where, reuse=a.reuse_runs)
     if placement is not None:
         oracle = None  # a pipeline's oracle is the mapper's plan, not a data split
     oracle_is_static = (oracle_plan or {}).get("same_as_start", True) if placement is not None else oracle is None

@@ -83,3 +83,20 @@ def test_plot_draws_the_three_runs(tmp_path):
     out = tmp_path / "r.png"
     assert plot_adapt(str(path), str(out)) == ["static", "oracle", "adaptive"]
     assert out.stat().st_size > 10_000
+
+
+def test_a_move_is_reported_with_its_cost_and_predictions():
+    res = _result()
+    res["decisions"] = [{"step": 6, "replan": True, "boundaries": [0, 3, 6], "rank_mapping": [[1], [0]]}]
+    res["moves"] = [{"step": 6, "seconds": 0.5, "bytes_moved": 1000, "new_plan": {}}]
+    res["predictions"] = [{"step": 6, "kind": "replan", "predicted_before": 2.1, "predicted_after": 1.1}]
+    d = adapt.adaptation_delays(res, [4], every=2)[0]
+    assert d["replan"] == {"boundaries": [0, 3, 6], "rank_mapping": [[1], [0]]} and "shares" not in d
+    fig = adapt.replan_figures(res, [4])[0]
+    assert fig["measured_step_before"] == 2.0 and fig["measured_step_after"] == 1.0
+    assert fig["move_in_steps"] == 0.25 and fig["prediction_error_after"] == pytest.approx(0.1)
+
+
+def test_replan_plugins_get_the_runs_length():
+    pol = adapt._with_total_steps({"every": 2, "plugins": [{"name": "replan"}, {"name": "rebalance"}]}, 82)
+    assert pol["plugins"] == [{"name": "replan", "total_steps": 82}, {"name": "rebalance"}]
