@@ -90,8 +90,8 @@ def plot_metrics(csv_path: str, out: str, title: Optional[str] = None) -> List[s
 
 
 #: colours of the three runs of `pdv bench adapt`
-RUN_STYLE = {"static": ("tab:gray", "static (equal shares)"), "adaptive": ("tab:blue", "adaptive"),
-             "oracle": ("tab:green", "oracle (best static shares in hindsight)")}
+RUN_STYLE = {"static": ("tab:gray", "static (the start-up choice, no policy)"), "adaptive": ("tab:blue", "adaptive"),
+             "oracle": ("tab:green", "oracle (the best static choice in hindsight)")}
 
 
 def _event_label(e: Dict[str, Any]) -> str:
@@ -138,7 +138,9 @@ def plot_adapt(result_path: str, out: str, smooth: int = 3) -> List[str]:
                 i = min(max(int(d["step"]) - 1, 0), len(t) - 1)
                 ax.plot(t[i], smoothed[i], marker="v", color=colour, ms=8)
                 shares = d.get("shares")
-                ax.annotate("equal" if not shares else "/".join(map(str, shares)), (t[i], smoothed[i]),
+                text = ("re-plan " + "/".join(str(b) for b in d["boundaries"]) if d.get("replan")
+                        else "equal" if not shares else "/".join(map(str, shares)))
+                ax.annotate(text, (t[i], smoothed[i]),
                             textcoords="offset points", xytext=(4, 8), fontsize=8, color=colour)
     run0 = series.get("static") or next(iter(series.values()))
     for e in run0.get("events_log", []):
