@@ -101,7 +101,7 @@ def resolve_placement(module: PipelineModule, cfg: PDVConfig) -> Optional[Dict[s
     if boundaries is None and mapping is None:
         return None
     apply_placement(module, boundaries, mapping)
-    return {"boundaries": list(module.parts), "rank_mapping": current_mapping(module)}
+    return {"boundaries": [int(b) for b in module.parts], "rank_mapping": current_mapping(module)}
 
 
 def parameter_names(module: nn.Module) -> Dict[int, Tuple[str, bool]]:
