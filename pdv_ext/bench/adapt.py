@@ -14,7 +14,9 @@ times on the emulated cluster, each a fresh set of ranks under `pdv emulate` wit
   `rebalance` would pick for those speeds, from the start); when that is the equal split the oracle is the
   static run (`oracle_is_static`) and is not run twice.
 
-For each run: wall time of the training steps (to the fixed number of samples), held-out loss at the end, the
+With `repeats` (the scenario's `run.repeats` or `--repeats`) the three alternate that many rounds and each
+kind's run of median wall time is reported (all walls in `wall_seconds_runs`). For each run: wall time of the
+training steps (to the fixed number of samples), held-out loss at the end, the
 samples/s of every phase between events (from the per-step wall times and the events' applied times in the
 emulator's log), and for the adaptive run the steps from each event to its first adaptation (in steps and in
 policy agreement steps). Ratios `adaptive_vs_static` and `adaptive_vs_oracle` (wall times). Everything of
@@ -74,6 +76,8 @@ class RunShape(StrictModel):
     policy: Dict[str, Any] = Field(default_factory=lambda: json.loads(json.dumps(DEFAULT_POLICY)))
     #: seconds each emulated run may take
     timeout: float = Field(1800.0, gt=0)
+    #: rounds of the runs, alternating static / adaptive / oracle; each kind's median run is reported
+    repeats: int = Field(1, ge=1)
 
 
 class Scenario(StrictModel):
@@ -446,12 +450,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated subset of static,adaptive,oracle")
     ap.add_argument("--out", default=None, help="where the full result goes (default build/bench-adapt/<name>.json)")
     ap.add_argument("--plot", default=None, help="also draw samples/s over time to this PNG (as `pdv plot adapt`)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="rounds of alternating runs (default: the scenario's run.repeats, 1); medians are reported")
     ap.add_argument("--reuse-runs", action="store_true",
                     help="run nothing: compute the figures again from the runs the last job of this scenario saved "
                          "in build/bench-adapt/<scenario>/ (e.g. after a change to the report)")
     a = ap.parse_args(argv)
     if a.steps is not None and a.steps < 1:
         ap.error(f"--steps must be >= 1 (got {a.steps})")
+    if a.repeats is not None and a.repeats < 1:
+        ap.error(f"--repeats must be >= 1 (got {a.repeats})")
     kinds = ["static", "adaptive", "oracle"]
     only = kinds if a.only is None else [k.strip() for k in a.only.split(",") if k.strip()]
     bad = [k for k in only if k not in kinds]
@@ -482,19 +490,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     policy = _with_total_steps(sc.run.policy, sc.run.warmup_steps + sc.run.steps)
     if sc.run.pipe > 1:  # pipelines: the mapper plans at start-up; the oracle runs its plan for the end state
         placement = pipeline_placement(sc, cluster, workroot, keep_profile=a.reuse_runs)
-    for kind in kinds:
-        if kind not in only:
-            continue
-        if kind == "oracle" and placement is not None:
-            oracle_plan = oracle_pipeline_plan(sc, cluster, events, placement, workroot)
-            if oracle_plan["same_as_start"]:
+    repeats = a.repeats or sc.run.repeats
+    runs: Dict[str, List[Dict[str, Any]]] = {}
+    for rep in range(repeats):  # the kinds alternate, so the machine's drift hits each of them alike
+        for kind in kinds:
+            if kind not in only:
                 continue
-        elif kind == "oracle" and oracle is None:
-            continue
-        where = {"plan": oracle_plan["path"]} if kind == "oracle" and oracle_plan else placement
-        results[kind] = _run(kind, sc, spec, events, os.path.join(workroot, kind),
-                             oracle if kind == "oracle" and placement is None else None,
-                             policy if kind == "adaptive" else None, where, reuse=a.reuse_runs)
+            if kind == "oracle" and placement is not None:
+                if oracle_plan is None:
+                    oracle_plan = oracle_pipeline_plan(sc, cluster, events, placement, workroot)
+                if oracle_plan["same_as_start"]:
+                    continue
+            elif kind == "oracle" and oracle is None:
+                continue
+            where = {"plan": oracle_plan["path"]} if kind == "oracle" and oracle_plan else placement
+            workdir = os.path.join(workroot, kind) if repeats == 1 else os.path.join(workroot, kind, f"run{rep}")
+            runs.setdefault(kind, []).append(
+                _run(kind, sc, spec, events, workdir, oracle if kind == "oracle" and placement is None else None,
+                     policy if kind == "adaptive" else None, where, reuse=a.reuse_runs))
+    # each kind's run of median wall time stands for it (its series are plotted); all walls are reported
+    walls = {k: [sum(r["durations"]) for r in rs] for k, rs in runs.items()}
+    for kind, rs in runs.items():
+        order = sorted(range(len(rs)), key=lambda i: walls[kind][i])
+        results[kind] = rs[order[(len(rs) - 1) // 2]]
     if placement is not None:
         oracle = None  # a pipeline's oracle is the mapper's plan, not a data split
     oracle_is_static = (oracle_plan or {}).get("same_as_start", True) if placement is not None else oracle is None
@@ -507,6 +525,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         summary["start_plan"] = oracle_plan["start"]
     for kind, res in results.items():
         summary[kind] = summarize(kind, res, every)
+        if repeats > 1:
+            summary[kind]["wall_seconds_runs"] = walls[kind]
     if oracle_is_static and "static" in summary:
         summary["oracle"] = summary["static"]
     if "adaptive" in results and results["adaptive"].get("moves"):
