@@ -12,6 +12,7 @@ from pdv_ext.comm.base import LocalComm
 from pdv_ext.log import logger
 from pdv_ext.policy import Policy, SetBatchSize, SetLearningRate
 from pdv_ext.policy import engine as glue_module
+from pdv_ext.placement.config import PlacementConfig
 from pdv_ext.policy.config import PolicyConfig
 from pdv_ext.policy.runner import PolicyRunner
 
@@ -106,8 +107,11 @@ class FakeEngine(SimpleNamespace):
                          optimizer=SimpleNamespace(param_groups=[{"lr": 0.0}]), aggregator=SimpleNamespace(),
                          micro_batches=2, total_micro_batches=2, data_shares=None, data_iterator=None,
                          grid=SimpleNamespace(get_data_parallel_world_size=lambda: 1,
-                                              _topo=SimpleNamespace(get_coord=lambda r: SimpleNamespace(pipe=0, data=r))),
-                         pdv_config=SimpleNamespace(policy=PolicyConfig(
+                                              _topo=SimpleNamespace(get_coord=lambda r: SimpleNamespace(pipe=0, data=r),
+                                                                    get_dim=lambda axis: 1,
+                                                                    get_rank=lambda pipe, data: 0)),
+                         module=SimpleNamespace(parts=[0, 1]),
+                         pdv_config=SimpleNamespace(placement=PlacementConfig(), policy=PolicyConfig(
                              plugins=[{"name": "tests.unit.test_policy_visible:HalveAt"}], every=every,
                              monitor={"gns": False})))
         self.used = {}
