@@ -84,8 +84,12 @@ def run_horovod(func: str, np: int = 2, mode: str = "gloo", kwargs: Optional[Dic
                 timeout: float = 150.0, env: Optional[Dict[str, str]] = None) -> List[Any]:
     """Run `func` of this module on `np` local ranks under `horovodrun --gloo|--mpi`; per-rank results."""
     with tempfile.TemporaryDirectory(prefix="pdv-hvd-") as tmp:
-        cmd = [horovodrun_bin(), "-np", str(np), "-H", f"localhost:{np}", f"--{mode}", "--network-interface", "lo",
-               sys.executable, "-m", "tests.integration.horovod_workers", func, tmp, json.dumps(kwargs or {})]
+        cmd = [horovodrun_bin(), "-np", str(np), "-H", f"localhost:{np}", f"--{mode}", "--network-interface", "lo"]
+        if mode == "gloo":
+            # Gloo's own 30 s per-operation limit aborts a healthy job on a loaded 2-core machine (one rank
+            # descheduled for half a minute); the test's hard `timeout` still catches a real hang.
+            cmd += ["--gloo-timeout-seconds", str(max(30, int(timeout)))]
+        cmd += [sys.executable, "-m", "tests.integration.horovod_workers", func, tmp, json.dumps(kwargs or {})]
         run_command(cmd, timeout, env)
         results = []
         for r in range(np):
