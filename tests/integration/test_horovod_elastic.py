@@ -26,8 +26,8 @@ def test_kill_one_worker():
         os.chmod(discover, 0o755)
         target = 96
         cmd = [horovodrun_bin(), "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script", discover,
-               "--network-interface", "lo", sys.executable, "-m", "tests.integration.horovod_workers",
-               "elastic_train", tmp, f'{{"target": {target}}}']
+               "--network-interface", "lo", "--gloo-timeout-seconds", "300",  # a loaded machine, not a hang
+               sys.executable, "-m", "tests.integration.horovod_workers", "elastic_train", tmp, f'{{"target": {target}}}']
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HOROVOD_ELASTIC_TIMEOUT": "60",
                "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
         log = open(os.path.join(tmp, "log.txt"), "w+b")
