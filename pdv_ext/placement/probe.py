@@ -3,9 +3,9 @@
 Run under a launcher (torchrun, deepspeed, `pdv emulate`, ...): reads RANK / WORLD_SIZE / MASTER_ADDR /
 MASTER_PORT. Each rank in turn (the others wait), in several rounds, measures its matmul throughput; then every pair of ranks, one pair at a time (the
 others wait), ping-pongs messages of several sizes over torch.distributed (gloo on CPU) send/recv. For
-each size the median round trip of `--reps` repetitions is halved, and latency + size / bandwidth is fitted
-by least squares on relative error; the bandwidth comes mostly from the large messages (default up to
-8 MiB, long enough that a token-bucket shaper's burst does not inflate it). Device names come from
+each size the median round trip of `--reps` repetitions is halved and latency + size / bandwidth fitted
+(`fit_latency_bandwidth`): the latency from the small messages, the bandwidth from the large ones (default
+up to 8 MiB, long enough that a token-bucket shaper's burst does not inflate it). Device names come from
 PDV_DEVICE_NAME (default rank<i>), hosts from PDV_HOST (default the hostname). Rank 0 writes the YAML:
 the median link inside and between hosts, plus per-pair overrides where a pair differs by more than 20%.
 """
@@ -29,9 +29,11 @@ DEFAULT_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 23)
 def fit_latency_bandwidth(sizes: Sequence[float], times: Sequence[float]) -> Tuple[float, float]:
     """Fit t = latency + size / bandwidth in two steps that each use the points that carry the signal.
 
-    Bandwidth: unweighted least squares over the larger half of the sizes (transfer-dominated; a
-    relative-error fit lets small messages, inflated by scheduling stalls on a throttled or busy host,
-    dominate and over-estimates bandwidth). Latency: the median residual of the smaller half.
+    Latency: the median residual of the smaller half around the least-squares line through the larger half
+    (transfer-dominated; a relative-error fit lets small messages, inflated by scheduling stalls on a
+    throttled or busy host, dominate and over-estimates bandwidth). Bandwidth: the median of
+    size / (time - latency) over the sizes within 4x of the largest, which errs by one measurement's noise
+    where the slope amplifies it.
     """
     order = np.argsort(np.asarray(sizes, dtype=float))
     s = np.asarray(sizes, dtype=float)[order]
@@ -45,8 +47,15 @@ def fit_latency_bandwidth(sizes: Sequence[float], times: Sequence[float]) -> Tup
     if inv_bw <= 0:  # flat curve: the largest message gives a lower bound on bandwidth
         inv_bw = max(t[-1] - t[0], 1e-12) / max(s[-1] - s[0], 1.0)
     small_s, small_t = (s[:half], t[:half]) if half else (s, t)
-    lat = float(np.median(small_t - small_s * inv_bw))
-    return max(lat, 0.0), 1.0 / inv_bw
+    lat = max(float(np.median(small_t - small_s * inv_bw)), 0.0)
+    # The slope of two or three sizes a factor of two apart multiplies their noise (CI: an emulated 800 Mbit/s
+    # link measured 603); each large size on its own, net of the latency, errs only by its own noise, and the
+    # median of three ignores one outlier. Large: within a factor of four of the largest message.
+    large = s >= s[-1] / 4
+    net = t[large] - lat
+    if np.all(net > 0):
+        return lat, float(np.median(s[large] / net))
+    return lat, 1.0 / inv_bw
 
 
 def _pingpong(peer: int, me_first: bool, size: int, reps: int) -> List[float]:
