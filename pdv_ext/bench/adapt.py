@@ -511,8 +511,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # each kind's run of median wall time stands for it (its series are plotted); all walls are reported
     walls = {k: [sum(r["durations"]) for r in rs] for k, rs in runs.items()}
     for kind, rs in runs.items():
-        order = sorted(range(len(rs)), key=lambda i: walls[kind][i])
-        results[kind] = rs[order[(len(rs) - 1) // 2]]
+        results[kind] = sorted(rs, key=lambda r: sum(r["durations"]))[(len(rs) - 1) // 2]
     if placement is not None:
         oracle = None  # a pipeline's oracle is the mapper's plan, not a data split
     oracle_is_static = (oracle_plan or {}).get("same_as_start", True) if placement is not None else oracle is None

@@ -58,6 +58,13 @@ def kill_tree(proc: subprocess.Popen) -> None:
             pass
 
 
+def gloo_timeout_args(deadline: float) -> List[str]:
+    """horovodrun flags that let a Gloo operation wait until the test's own deadline: Gloo's default 30 s
+    per-operation limit aborts a healthy job on a loaded 2-core machine (one rank descheduled for half a
+    minute), while the test's hard deadline still catches a real hang."""
+    return ["--gloo-timeout-seconds", str(max(30, int(deadline)))]
+
+
 def run_command(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None) -> str:
     """Run `cmd` in its own session; kill the whole tree on timeout; return its output or raise."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
@@ -84,12 +91,9 @@ def run_horovod(func: str, np: int = 2, mode: str = "gloo", kwargs: Optional[Dic
                 timeout: float = 150.0, env: Optional[Dict[str, str]] = None) -> List[Any]:
     """Run `func` of this module on `np` local ranks under `horovodrun --gloo|--mpi`; per-rank results."""
     with tempfile.TemporaryDirectory(prefix="pdv-hvd-") as tmp:
-        cmd = [horovodrun_bin(), "-np", str(np), "-H", f"localhost:{np}", f"--{mode}", "--network-interface", "lo"]
-        if mode == "gloo":
-            # Gloo's own 30 s per-operation limit aborts a healthy job on a loaded 2-core machine (one rank
-            # descheduled for half a minute); the test's hard `timeout` still catches a real hang.
-            cmd += ["--gloo-timeout-seconds", str(max(30, int(timeout)))]
-        cmd += [sys.executable, "-m", "tests.integration.horovod_workers", func, tmp, json.dumps(kwargs or {})]
+        cmd = [horovodrun_bin(), "-np", str(np), "-H", f"localhost:{np}", f"--{mode}", "--network-interface", "lo",
+               *(gloo_timeout_args(timeout) if mode == "gloo" else []),
+               sys.executable, "-m", "tests.integration.horovod_workers", func, tmp, json.dumps(kwargs or {})]
         run_command(cmd, timeout, env)
         results = []
         for r in range(np):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.integration.horovod_workers import ROOT, horovodrun_bin, kill_tree
+from tests.integration.horovod_workers import ROOT, gloo_timeout_args, horovodrun_bin, kill_tree
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +26,7 @@ def test_kill_one_worker():
         os.chmod(discover, 0o755)
         target = 96
         cmd = [horovodrun_bin(), "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script", discover,
-               "--network-interface", "lo", "--gloo-timeout-seconds", "300",  # a loaded machine, not a hang
+               "--network-interface", "lo", *gloo_timeout_args(300),
                sys.executable, "-m", "tests.integration.horovod_workers", "elastic_train", tmp, f'{{"target": {target}}}']
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HOROVOD_ELASTIC_TIMEOUT": "60",
                "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
