@@ -471,6 +471,8 @@ def _execute(engine: Any, old_plan: Dict[str, Any], new_plan: Dict[str, Any], on
     object.__setattr__(user_module, "__dict__", new.__dict__)
     eng._modules["module"] = user_module
     object.__setattr__(engine, "__dict__", eng.__dict__)
+    if glue is not None:  # the glue drives the user's object, not `eng`: a later move must replace this one's state
+        glue.rebind(engine)
     # the data position and this rank's new replica go to the iterator of the next train_batch (DeepSpeed
     # keeps no iterator on middle stages: the one this rank will pass is not known here)
     if engine.is_first_stage() or engine.is_last_stage():

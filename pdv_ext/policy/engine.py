@@ -169,7 +169,6 @@ class PolicyGlue:
         engine in the same processes - the Monitor, the runner and the user's reference to the glue live on."""
         from deepspeed.runtime.pipe import schedule
 
-        self.engine = engine
         cuda = torch.device(getattr(engine, "device", "cpu")).type == "cuda"
         self.monitor.dp_size = int(engine.grid.get_data_parallel_world_size())
         topo = engine.grid._topo  # (stage, replica) of every global rank: what each per-rank time belongs to
@@ -179,6 +178,12 @@ class PolicyGlue:
         # time forward/backward per rank (the straggler signal) through an instance-level instruction map
         wrap_instructions(engine, lambda instr, fn: _timed(fn, self.monitor, cuda),
                           (schedule.ForwardPass, schedule.BackwardPass))
+        self.rebind(engine)
+
+    def rebind(self, engine: Any) -> None:
+        """Drive `engine` from now on: after a move, the user's engine object (which took over the new engine's
+        state), not the object the move built - the next move, and the step counter, act on the user's."""
+        self.engine = engine
         self.applier = EngineApplier(engine)
         if self.runner is not None:
             self.runner.applier = self.applier

@@ -150,25 +150,31 @@ def resume_with_shares(ckpt_dir: str, steps: int = 5, save_at: int = 3, stages: 
 
 
 class ReplanAt:
-    """A user's re-plan policy (plugin template): at step `at`, move to the given plan."""
+    """A user's re-plan policy (plugin template): at step `at`, move to the given plan; `then` (a list of
+    {"at", "boundaries", "rank_mapping"}) gives further moves."""
 
     def __new__(cls, **options):
         from pdv_ext.policy.base import Policy, Replan
+
+        plans = {options["at"]: options}
+        plans.update({p["at"]: p for p in options.get("then", [])})
 
         class _At(Policy):
             name = "replan_at"
 
             def after_step(self, metrics):
-                if metrics["step"] == options["at"]:
-                    return [Replan(options["boundaries"], options["rank_mapping"], reason="test")]
+                p = plans.get(metrics["step"])
+                if p is not None:
+                    return [Replan(p["boundaries"], p["rank_mapping"], reason="test")]
                 return []
 
         return _At({})
 
 
-def replan_by_action(steps: int = 5, at: int = 2, seed: int = 7) -> Dict[str, Any]:
-    """Pipe 2 x data 2 moved to pipe 4 by a policy's Replan inside train_batch: training goes on through the
-    same engine object, the runner logged the move's cost; and the same run without the move."""
+def replan_by_action(steps: int = 7, at: int = 2, seed: int = 7) -> Dict[str, Any]:
+    """Pipe 2 x data 2 moved to pipe 4 by a policy's Replan inside train_batch, then at step at+2 to other
+    boundaries on another rank order: training goes on through the same engine object (its step counter,
+    the policies' view of it), the runner logged each move's cost; and the same run without the moves."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.pipe import PipelineModule
@@ -188,14 +194,23 @@ def replan_by_action(steps: int = 5, at: int = 2, seed: int = 7) -> Dict[str, An
                                base_seed=seed, partition_method="uniform")
         cfg = mode_config("fp32", 4, 2, 2, 1e-2, "AdamW")
         plugins = [{"name": "tests.integration.shares_workers:ReplanAt", "at": at if label == "moved" else -1,
-                    "boundaries": [0, 2, 4, 6, 8], "rank_mapping": [[3], [2], [1], [0]]}]
+                    "boundaries": [0, 2, 4, 6, 8], "rank_mapping": [[3], [2], [1], [0]],
+                    "then": [{"at": at + 2 if label == "moved" else -1, "boundaries": [0, 1, 3, 6, 8],
+                              "rank_mapping": [[1], [0], [3], [2]]}]}]
         cfg["pdv"] = {"policy": {"plugins": plugins, "on_error": "raise"}}
         eng = pdv_ext.initialize(model=model, config=cfg, model_parameters=[p for p in model.parameters()])[0]
         data = ElasticBatches.for_engine(eng, _dataset(), seed=seed)
         ident = id(eng)
-        losses = [float(eng.train_batch(data_iter=data)) for _ in range(steps)]
+        losses, metric_steps = [], []
+        for _ in range(steps):
+            losses.append(float(eng.train_batch(data_iter=data)))
+            metric_steps.append(eng.pdv_policy.last_metrics.get("step"))
+        glue = eng.pdv_policy
         out[label] = {"losses": losses, "same_object": id(eng) == ident, "stages": eng.num_stages,
-                      "parts": list(eng.module.parts), "last_move": eng.pdv_policy.runner.last_move,
-                      "log": eng.pdv_policy.runner.action_log}
+                      "parts": list(eng.module.parts), "last_move": glue.runner.last_move,
+                      "log": glue.runner.action_log, "global_steps": int(eng.global_steps),
+                      "metric_steps": metric_steps, "glue_on_engine": glue.engine is eng,
+                      "applier_on_engine": glue.runner.applier.engine is eng, "stage_id": eng.stage_id,
+                      "p2p_stage": __import__("deepspeed").runtime.pipe.p2p._grid.get_stage_id()}
         del eng
     return out

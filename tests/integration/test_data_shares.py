@@ -69,13 +69,20 @@ def test_checkpoint_with_unequal_shares_resumes_exactly(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_policys_replan_moves_the_running_pipeline():
     """The Replan action end to end: decided by a plugin, agreed by the runner, applied inside train_batch by
-    pdv_ext.placement.move; the user's engine object trains on, within rounding of the run that did not move."""
+    pdv_ext.placement.move, twice (the second move to other boundaries on another rank order); the user's
+    engine object trains on - its step counter, the policies' metrics and DeepSpeed's p2p grid follow it -
+    within rounding of the run that did not move."""
     res = run_ranks("tests.integration.shares_workers:replan_by_action", 4, {}, timeout=280)
-    for r in res:
+    for rank, r in enumerate(res):
         moved, still = r["moved"], r["still"]
-        assert moved["same_object"] and moved["stages"] == 4 and moved["parts"] == [0, 2, 4, 6, 8]
+        assert moved["same_object"] and moved["stages"] == 4 and moved["parts"] == [0, 1, 3, 6, 8]
+        assert moved["stage_id"] == [1, 0, 3, 2].index(rank) == moved["p2p_stage"]
+        assert moved["glue_on_engine"] and moved["applier_on_engine"]
+        assert moved["global_steps"] == still["global_steps"] == 7
+        assert moved["metric_steps"] == still["metric_steps"] == list(range(1, 8))
         assert still["stages"] == 2 and still["last_move"] is None
         assert moved["last_move"]["seconds"] > 0 and moved["last_move"]["bytes_moved"] > 0
-        assert [a["action"] for _, a in moved["log"]] == ["Replan"]
+        assert moved["last_move"]["old_plan"]["boundaries"] == [0, 2, 4, 6, 8]
+        assert [(s, a["action"]) for s, a in moved["log"]] == [(2, "Replan"), (4, "Replan")]
         assert moved["losses"][:2] == still["losses"][:2]
         assert moved["losses"] == pytest.approx(still["losses"], rel=1e-5)

@@ -18,7 +18,10 @@ measurement. Then the same solver as start-up plans again (same number of stages
   predicts a step within `shares_margin` of the re-plan's, it is chosen instead (no move, no cost).
 
 When the slowdown ends the measured speed comes back above the model's and the same rule moves the
-pipeline back. `decisions` records every choice with its predicted step times (calibrated seconds).
+pipeline back - believed only when the device carries at least `confirm_load` of the work it was measured
+slow under: a throttled device given little work can run at full speed (a CPU quota or a power cap that the
+light load never reaches), and taking that for a recovery moves the work back onto it, where it is slow
+again (a re-plan back and forth every few steps). `decisions` records every choice with its predicted step times (calibrated seconds).
 Needs `pdv.placement` with a cluster and a profile (the start-up planning's), or the `cluster` and `profile`
 options.
 """
@@ -60,6 +63,9 @@ class ReplanPolicy(Policy):
         shares_margin: float = Field(0.05, ge=0.0)
         #: whether a data-share split may be chosen at all (needs data-parallel replicas)
         allow_shares: bool = True
+        #: a device measured slow is believed recovered only when measured with at least this fraction of the
+        #: work (its layers' profiled time) it was slow under
+        confirm_load: float = Field(0.5, ge=0.0, le=1.0)
         #: override pdv.placement's cluster YAML / profile JSON
         cluster: Optional[str] = None
         profile: Optional[str] = None
@@ -76,6 +82,8 @@ class ReplanPolicy(Policy):
         self.throughputs: Optional[List[float]] = None  # the cluster model's, as measured so far
         #: measured step time / the cost model's step time while the model held (its seconds -> the run's)
         self.step_calib: Optional[float] = None
+        #: device -> the work per micro-batch (profile seconds) it carried when measured slow
+        self.slow_load: Dict[int, float] = {}
         #: every change: {"step", "kind" (replan|shares), "predicted_before", "predicted_after", "saving",
         #: "move_cost", "throughputs", ...}
         self.decisions: List[Dict[str, Any]] = []
@@ -117,6 +125,19 @@ class ReplanPolicy(Policy):
                 out[int(r)] = work / cluster.speed(int(r))
         return out
 
+    def _loads(self, plan: Dict[str, Any]) -> Dict[int, float]:
+        """The work per micro-batch of every rank's layers under `plan` (profile seconds, any device)."""
+        fb = self.profile.arrays()["fwd_bwd"]
+        b = plan["boundaries"]
+        return {int(r): float(fb[b[s]:b[s + 1]].sum()) for s, row in enumerate(plan["rank_mapping"]) for r in row}
+
+    def _unconfirmed(self, off: List[float]) -> List[bool]:
+        """Per rank: measured faster than the model while carrying too little work to show a slowdown it was
+        measured under (see the module docstring): not evidence of a recovery."""
+        loads = self._loads(self.plan)
+        return [f < 1.0 and r in self.slow_load and loads[r] < self.options.confirm_load * self.slow_load[r]
+                for r, f in enumerate(off)]
+
     def _replica_times(self, cluster: Cluster, plan: Dict[str, Any]) -> List[float]:
         """Seconds per micro-batch of every replica's slowest stage (the data-share formula's input)."""
         per = self._stage_compute(cluster, plan)
@@ -143,6 +164,7 @@ class ReplanPolicy(Policy):
         calib = statistics.median(self.ratios)  # the model's seconds -> this run's seconds
         off = [rho / calib for rho in self.ratios]
         lim = math.log(self.options.threshold)
+        off = [1.0 if skip else f for f, skip in zip(off, self._unconfirmed(off))]
         if not any(abs(math.log(f)) > lim for f in off):
             self.streak = 0
             # while the model holds: how this run's whole step relates to the cost model's (the profile's
@@ -161,6 +183,12 @@ class ReplanPolicy(Policy):
         self.streak = 0
         # the cluster model follows the measurement for the devices that are off
         measured = [t / f if abs(math.log(f)) > lim else t for t, f in zip(self.throughputs, off)]
+        loads = self._loads(self.plan)
+        for r, (m, t) in enumerate(zip(measured, self.throughputs)):
+            if m < t:
+                self.slow_load[r] = loads[r]  # what it was slow under (a recovery must be seen under as much)
+            elif m > t:
+                self.slow_load.pop(r, None)
         return self._choose(metrics, measured, self.step_calib or calib)
 
     def _choose(self, metrics: Dict[str, Any], measured: List[float], calib: float) -> List[Action]:
@@ -218,7 +246,8 @@ class ReplanPolicy(Policy):
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         return {"plan": self.plan, "ratios": self.ratios, "seen": self.seen, "streak": self.streak,
-                "throughputs": self.throughputs, "step_calib": self.step_calib, "decisions": list(self.decisions)}
+                "throughputs": self.throughputs, "step_calib": self.step_calib, "decisions": list(self.decisions),
+                "slow_load": dict(self.slow_load)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.plan, self.ratios = state.get("plan"), state.get("ratios")
@@ -226,3 +255,4 @@ class ReplanPolicy(Policy):
         self.throughputs = state.get("throughputs")
         self.step_calib = state.get("step_calib")
         self.decisions = list(state.get("decisions", []))
+        self.slow_load = {int(r): float(w) for r, w in (state.get("slow_load") or {}).items()}
