@@ -39,6 +39,9 @@ class Run:
         self.step = 0
         #: a device is slow only with at least this much work (a quota that a light load never reaches)
         self.slow_from_work = 0.0
+        #: the devices' speeds as the whole step sees them (None: as the compute times): a slow device whose
+        #: communication and optimizer step slow down too costs the step more than its compute shows
+        self.step_speed = None
 
     def ctx(self):
         return TrainContext(world_size=4, dp_size=len(self.shares), micro_batch_size=4, micro_batches=self.shares[0],
@@ -56,8 +59,13 @@ class Run:
                 speed = self.speed[r] if work >= self.slow_from_work else 1.0
                 compute[r] = self.scale * work / speed * self.shares[d]
                 stage_of[r], replica_of[r] = s, d
+        step_time = max(compute) * 1.5
+        if self.step_speed is not None:
+            cl = Cluster.load(self.cluster)
+            step_time = 0.5 * self.scale * evaluate(Profile.load(self.profile), cl.with_throughputs(self.step_speed),
+                                                    b, rows, self.total // len(rows[0])).step_time
         return {"step": self.step, "compute_times": compute, "data_shares": list(self.shares),
-                "replica_of_rank": replica_of, "stage_of_rank": stage_of, "step_time": max(compute) * 1.5}
+                "replica_of_rank": replica_of, "stage_of_rank": stage_of, "step_time": step_time}
 
     def apply(self, acts):
         for a in acts:
@@ -124,6 +132,43 @@ def test_a_device_fast_only_under_a_light_load_is_not_taken_for_recovered(tmp_pa
         assert pol.slow_load == {1: pytest.approx(0.02)}
     else:
         assert len(acts) >= 3  # what the guard prevents
+
+
+def test_a_move_that_does_not_deliver_is_corrected_from_the_step_time(tmp_path):
+    """The compute times show d1 at half speed, but the step suffers as if it ran at a fifth (its
+    communication and optimizer step slow down too, as on the emulated cluster). The first move, planned for
+    half speed, measures a step far above its prediction; the policy then fits d1's speed to the measured step
+    and moves again - once: the step then matches the model and nothing more happens."""
+    files = write_files(tmp_path, [0.001] + [0.01] * 10 + [0.002])
+    r = Run(files, [[0], [1], [2], [3]], [0, 3, 6, 9, 12])
+    r.step_speed = [1.0] * 4
+    pol = build_policy({"name": "replan", "total_steps": 500})
+    pol.on_train_begin(r.ctx())
+    assert run(pol, r, 10) == []
+    r.speed[1], r.step_speed = 0.5, [1.0, 0.2, 1.0, 1.0]
+    acts = run(pol, r, 80)
+    assert [type(a).__name__ for _, a in acts] == ["Replan", "Replan"]
+    first, second = [d for d in pol.decisions if d["kind"] == "replan"]
+    assert first["throughputs"][1] == pytest.approx(0.5, rel=0.1)
+    assert second["throughputs"][1] == pytest.approx(0.2, rel=0.05)  # the step's view of d1
+    assert pol.throughputs[1] == pytest.approx(0.5, rel=0.1)  # its compute view is unchanged
+    measured = r.metrics()["step_time"]
+    assert measured < 0.8 * first["predicted_before"]
+    assert measured == pytest.approx(second["predicted_after"], rel=0.1)
+
+
+def test_a_device_faster_than_described_changes_nothing(files):
+    """The policy follows slowdowns and recoveries only: a device that reads faster than the cluster YAML
+    says (noise in the profile or the timing, here a steady 1.6x) never makes it re-plan."""
+    r = Run(files, [[0], [1], [2], [3]], [0, 2, 4, 6, 8])
+    r.speed[2] = 1.6
+    pol = build_policy({"name": "replan", "total_steps": 500})
+    pol.on_train_begin(r.ctx())
+    assert run(pol, r, 40) == [] and pol.decisions == []
+    r.speed[0] = 0.4  # a real slowdown is still seen
+    acts = run(pol, r, 20)
+    assert len(acts) == 1 and isinstance(acts[0][1], Replan)
+    assert pol.throughputs[2] == 1.0 and pol.throughputs[0] < 0.5
 
 
 def test_small_saving_or_blip_changes_nothing(files):

@@ -18,10 +18,12 @@ measurement. Then the same solver as start-up plans again (same number of stages
   predicts a step within `shares_margin` of the re-plan's, it is chosen instead (no move, no cost).
 
 When the slowdown ends the measured speed comes back above the model's and the same rule moves the
-pipeline back - believed only when the device carries at least `confirm_load` of the work it was measured
-slow under: a throttled device given little work can run at full speed (a CPU quota or a power cap that the
-light load never reaches), and taking that for a recovery moves the work back onto it, where it is slow
-again (a re-plan back and forth every few steps). `decisions` records every choice with its predicted step times (calibrated seconds).
+pipeline back, with two guards against re-planning back and forth: a device is never modelled faster than
+the cluster description says (a faster reading there is the profile's and the measurement's noise), and a
+device measured slow is believed recovered only when it carries at least `confirm_load` of the work it was
+slow under (a throttled device given little work can run at full speed - a CPU quota or a power cap that
+the light load never reaches - and taking that for a recovery moves the work back where it is slow again).
+`decisions` records every choice with its predicted step times (calibrated seconds).
 Needs `pdv.placement` with a cluster and a profile (the start-up planning's), or the `cluster` and `profile`
 options.
 """
@@ -84,6 +86,10 @@ class ReplanPolicy(Policy):
         self.step_calib: Optional[float] = None
         #: device -> the work per micro-batch (profile seconds) it carried when measured slow
         self.slow_load: Dict[int, float] = {}
+        #: smoothed measured step time (this run's seconds) since the last change
+        self.step_ema: Optional[float] = None
+        #: device -> how much slower the step sees it than its compute times do (<= 1; fitted to the step)
+        self.step_factor: Dict[int, float] = {}
         #: every change: {"step", "kind" (replan|shares), "predicted_before", "predicted_after", "saving",
         #: "move_cost", "throughputs", ...}
         self.decisions: List[Dict[str, Any]] = []
@@ -109,9 +115,13 @@ class ReplanPolicy(Policy):
         if self.throughputs is None:
             self.throughputs = [float(d.throughput) for d in self.cluster.devices]
 
+    def _effective(self, throughputs: List[float]) -> List[float]:
+        """The devices' speeds as the whole step sees them: the compute view times the step's own factor."""
+        return [t * self.step_factor.get(r, 1.0) for r, t in enumerate(throughputs)]
+
     def _cluster_now(self) -> Cluster:
-        """The cluster model with the measured throughputs."""
-        return self.cluster.with_throughputs(self.throughputs, source="replan's cluster model")
+        """The cluster model that plans: the measured throughputs, as the step sees them."""
+        return self.cluster.with_throughputs(self._effective(self.throughputs), source="replan's cluster model")
 
     # ---- the model of a plan -----------------------------------------------------------------------
     def _stage_compute(self, cluster: Cluster, plan: Dict[str, Any]) -> Dict[int, float]:
@@ -131,11 +141,14 @@ class ReplanPolicy(Policy):
         b = plan["boundaries"]
         return {int(r): float(fb[b[s]:b[s + 1]].sum()) for s, row in enumerate(plan["rank_mapping"]) for r in row}
 
-    def _unconfirmed(self, off: List[float]) -> List[bool]:
-        """Per rank: measured faster than the model while carrying too little work to show a slowdown it was
-        measured under (see the module docstring): not evidence of a recovery."""
+    def _no_evidence(self, off: List[float]) -> List[bool]:
+        """Per rank: measured faster than the model, but that says nothing here - the device is at its
+        described speed already (the policy follows slowdowns and recoveries, never beyond the cluster's
+        description: a faster reading there is the profile's and the measurement's noise), or it carries
+        too little work to show the slowdown it was measured under (see the module docstring)."""
         loads = self._loads(self.plan)
-        return [f < 1.0 and r in self.slow_load and loads[r] < self.options.confirm_load * self.slow_load[r]
+        return [f < 1.0 and (self.throughputs[r] >= self.cluster.devices[r].throughput
+                             or (r in self.slow_load and loads[r] < self.options.confirm_load * self.slow_load[r]))
                 for r, f in enumerate(off)]
 
     def _replica_times(self, cluster: Cluster, plan: Dict[str, Any]) -> List[float]:
@@ -152,49 +165,99 @@ class ReplanPolicy(Policy):
         if not compute or not shares or not replica_of or any(not (c > 0) for c in compute) or self.plan is None:
             return []
         self._load()
-        model = self._cluster_now()
-        pred = self._stage_compute(model, self.plan)
+        # compute against compute: the throughputs as the compute times measured them (no step factor)
+        pred = self._stage_compute(self.cluster.with_throughputs(self.throughputs), self.plan)
         ratios = [compute[r] / shares[replica_of[r]] / pred[r] for r in range(len(compute))]
         self.seen += 1
         if self.seen <= self.options.warmup_steps:
-            self.ratios = None
+            self.ratios = self.step_ema = None
             return []
         a = self.options.ema
         self.ratios = ratios if self.ratios is None else [a * o + (1 - a) * n for o, n in zip(self.ratios, ratios)]
+        step_time = float(metrics.get("step_time") or 0.0)
+        if step_time > 0:
+            self.step_ema = step_time if self.step_ema is None else a * self.step_ema + (1 - a) * step_time
         calib = statistics.median(self.ratios)  # the model's seconds -> this run's seconds
         off = [rho / calib for rho in self.ratios]
         lim = math.log(self.options.threshold)
-        off = [1.0 if skip else f for f, skip in zip(off, self._unconfirmed(off))]
+        off = [1.0 if skip else f for f, skip in zip(off, self._no_evidence(off))]
+        mb = int(sum(shares)) // len(shares)
         if not any(abs(math.log(f)) > lim for f in off):
+            model_step = self._model_step(self._effective(self.throughputs), mb)
+            if not self.slow_load:
+                self.streak = 0
+                # while the cluster is as described: how this run's whole step relates to the cost model's
+                # (the profile's device is not these devices, and the model leaves some per-step work out)
+                if step_time > 0:
+                    ratio = step_time / model_step
+                    self.step_calib = ratio if self.step_calib is None else a * self.step_calib + (1 - a) * ratio
+                return []
+            # a device is modelled slow: does the model explain the measured step? (a slow device costs more
+            # than its compute where its communication and optimizer step slow down too)
+            if (self.step_calib is None or self.step_ema is None or len(set(shares)) > 1
+                    or self.step_ema <= model_step * self.step_calib * self.options.threshold):
+                self.streak = 0
+                return []
+            self.streak += 1
+            if self.streak < self.options.patience:
+                return []
             self.streak = 0
-            # while the model holds: how this run's whole step relates to the cost model's (the profile's
-            # device is not these devices, and the model leaves some per-step work out)
-            step_time = float(metrics.get("step_time") or 0.0)
-            if step_time > 0:
-                pl = self.placement
-                ratio = step_time / evaluate(self.profile, model, self.plan["boundaries"], self.plan["rank_mapping"],
-                                             int(sum(shares)) // len(shares), pl.get("schedule", "1f1b"),
-                                             pl.get("aggregator", "mean")).step_time
-                self.step_calib = ratio if self.step_calib is None else a * self.step_calib + (1 - a) * ratio
-            return []
+            before = self._effective(self.throughputs)
+            self._fit_step(sorted(self.slow_load), mb)
+            return self._choose(metrics, list(self.throughputs), self.step_calib, before)
         self.streak += 1
         if self.streak < self.options.patience:
             return []
         self.streak = 0
         # the cluster model follows the measurement for the devices that are off
-        measured = [t / f if abs(math.log(f)) > lim else t for t, f in zip(self.throughputs, off)]
+        measured = [min(t / f, float(d.throughput)) if abs(math.log(f)) > lim else t
+                    for t, f, d in zip(self.throughputs, off, self.cluster.devices)]
         loads = self._loads(self.plan)
+        before = self._effective(self.throughputs)
         for r, (m, t) in enumerate(zip(measured, self.throughputs)):
+            if m != t:
+                self.step_factor.pop(r, None)  # a new reading: the step's view is checked again from here
             if m < t:
                 self.slow_load[r] = loads[r]  # what it was slow under (a recovery must be seen under as much)
             elif m > t:
                 self.slow_load.pop(r, None)
-        return self._choose(metrics, measured, self.step_calib or calib)
+        return self._choose(metrics, measured, self.step_calib or calib, before)
 
-    def _choose(self, metrics: Dict[str, Any], measured: List[float], calib: float) -> List[Action]:
-        """`calib`: the cost model's seconds -> this run's (the step calibration, else the compute one)."""
+    def _model_step(self, throughputs: List[float], mb: int) -> float:
+        """The cost model's step time (its seconds) for the plan in force with these (effective) throughputs."""
+        pl = self.placement
+        cluster = self.cluster.with_throughputs(throughputs, source="replan's cluster model")
+        return evaluate(self.profile, cluster, self.plan["boundaries"], self.plan["rank_mapping"], mb,
+                        pl.get("schedule", "1f1b"), pl.get("aggregator", "mean")).step_time
+
+    def _fit_step(self, devices: List[int], mb: int) -> None:
+        """Slow `devices` further, as the step sees them (`step_factor`, one common factor), until the model's
+        step for the plan in force, in this run's seconds, is the measured one: the compute times say which
+        device is slow, the step says how slow it is in effect (its p2p and optimizer step included)."""
+        target = self.step_ema / self.step_calib
+        base = self._effective(self.throughputs)
+
+        def scaled(k: float) -> List[float]:
+            return [t * k if r in devices else t for r, t in enumerate(base)]
+
+        if self._model_step(base, mb) >= target:
+            return
+        lo, hi = 0.05, 1.0
+        if self._model_step(scaled(lo), mb) <= target:  # slower than the model can say: as slow as it goes
+            k = lo
+        else:
+            for _ in range(40):  # the model's step falls as the devices get faster
+                mid = 0.5 * (lo + hi)
+                lo, hi = (mid, hi) if self._model_step(scaled(mid), mb) > target else (lo, mid)
+            k = hi
+        for r in devices:
+            self.step_factor[r] = self.step_factor.get(r, 1.0) * k
+
+    def _choose(self, metrics: Dict[str, Any], measured: List[float], calib: float,
+                before: List[float]) -> List[Action]:
+        """`calib`: the cost model's seconds -> this run's (the step calibration, else the compute one);
+        `before`: the devices' effective speeds the plan in force was chosen for."""
         o = self.options
-        before = self.throughputs
         self.throughputs = measured
         cluster = self._cluster_now()
         pl = self.placement
@@ -213,10 +276,10 @@ class ReplanPolicy(Policy):
         cost = float(last["seconds"]) if last.get("seconds") else o.move_cost_steps * step_time
         cost_kind = "measured" if last.get("seconds") else f"estimated as {o.move_cost_steps:g} steps"
         saving = (now - after) * max(remaining, 0)
-        slow = [f"{self.cluster.devices[r].name} {m / t:.2f}x" for r, (m, t) in enumerate(zip(measured, before))
-                if m != t]
+        slow = [f"{self.cluster.devices[r].name} {m / t:.2f}x" for r, (m, t)
+                in enumerate(zip(self._effective(measured), before)) if m != t]
         record = {"step": step, "predicted_before": now, "predicted_after": after, "saving": saving,
-                  "move_cost": cost, "throughputs": list(measured), "remaining_steps": remaining}
+                  "move_cost": cost, "throughputs": self._effective(measured), "remaining_steps": remaining}
         # the data-share alternative (no move), compared with the re-plan in the same formula
         if o.allow_shares and replicas > 1:
             t_now = self._replica_times(cluster, self.plan)
@@ -227,7 +290,7 @@ class ReplanPolicy(Policy):
             if by_shares <= by_move * (1.0 + o.shares_margin) and split != list(metrics["data_shares"]):
                 record.update(kind="shares", shares=split)
                 self.decisions.append(record)
-                self.seen = 0
+                self.seen, self.step_ema = 0, None
                 return [SetDataShares(None if len(set(split)) == 1 else tuple(split))]
         same = (new.boundaries == self.plan["boundaries"] and new.rank_mapping == self.plan["rank_mapping"])
         if same or saving <= cost:
@@ -240,14 +303,14 @@ class ReplanPolicy(Policy):
         record.update(kind="replan", boundaries=new.boundaries, rank_mapping=new.rank_mapping, reason=reason)
         self.decisions.append(record)
         self.plan = {"boundaries": list(new.boundaries), "rank_mapping": [list(r) for r in new.rank_mapping]}
-        self.ratios, self.seen = None, 0  # new layers on every device: measure afresh
+        self.ratios, self.seen, self.step_ema = None, 0, None  # new layers on every device: measure afresh
         return [Replan(tuple(new.boundaries), tuple(tuple(r) for r in new.rank_mapping), reason=reason)]
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         return {"plan": self.plan, "ratios": self.ratios, "seen": self.seen, "streak": self.streak,
                 "throughputs": self.throughputs, "step_calib": self.step_calib, "decisions": list(self.decisions),
-                "slow_load": dict(self.slow_load)}
+                "slow_load": dict(self.slow_load), "step_ema": self.step_ema, "step_factor": dict(self.step_factor)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.plan, self.ratios = state.get("plan"), state.get("ratios")
@@ -256,3 +319,5 @@ class ReplanPolicy(Policy):
         self.step_calib = state.get("step_calib")
         self.decisions = list(state.get("decisions", []))
         self.slow_load = {int(r): float(w) for r, w in (state.get("slow_load") or {}).items()}
+        self.step_ema = state.get("step_ema")
+        self.step_factor = {int(r): float(f) for r, f in (state.get("step_factor") or {}).items()}
