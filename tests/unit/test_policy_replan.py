@@ -155,6 +155,10 @@ def test_a_move_that_does_not_deliver_is_corrected_from_the_step_time(tmp_path):
     measured = r.metrics()["step_time"]
     assert measured < 0.8 * first["predicted_before"]
     assert measured == pytest.approx(second["predicted_after"], rel=0.1)
+    again = build_policy({"name": "replan", "total_steps": 500})  # what a checkpoint keeps of it
+    again.load_state_dict(pol.state_dict())
+    assert (again.step_factor, again.slow_load, again.plan) == (pol.step_factor, pol.slow_load, pol.plan)
+    assert again.step_factor[1] == pytest.approx(0.4, rel=0.05)
 
 
 def test_a_device_faster_than_described_changes_nothing(files):
