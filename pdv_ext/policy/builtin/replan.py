@@ -266,8 +266,7 @@ class ReplanPolicy(Policy):
         mb = total // replicas
         step = int(metrics["step"])
         remaining = (o.total_steps - step) if o.total_steps is not None else o.horizon_steps
-        now = evaluate(self.profile, cluster, self.plan["boundaries"], self.plan["rank_mapping"], mb,
-                       pl.get("schedule", "1f1b"), pl.get("aggregator", "mean")).step_time * calib
+        now = self._model_step(self._effective(measured), mb) * calib
         new = solve(pl.get("solver", "dp"), self.profile, cluster, stages, mb, schedule=pl.get("schedule", "1f1b"),
                     aggregator=pl.get("aggregator", "mean"), **pl.get("solver_options", {}))
         after = new.predicted_step_time * calib
