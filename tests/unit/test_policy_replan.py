@@ -7,6 +7,7 @@ import pytest
 from pdv_ext.placement.cost import evaluate
 from pdv_ext.placement.profile import LayerProfile, Profile
 from pdv_ext.placement.cluster import Cluster
+from pdv_ext.placement.solvers import solve
 from pdv_ext.policy.base import Replan, SetDataShares, TrainContext, build_policy
 
 LAYERS = 8
@@ -62,8 +63,11 @@ class Run:
         step_time = max(compute) * 1.5
         if self.step_speed is not None:
             cl = Cluster.load(self.cluster)
-            step_time = 0.5 * self.scale * evaluate(Profile.load(self.profile), cl.with_throughputs(self.step_speed),
-                                                    b, rows, self.total // len(rows[0])).step_time
+            prof, cl = Profile.load(self.profile), cl.with_throughputs(self.step_speed)
+            whole = evaluate(prof, cl, b, rows, self.total // len(rows[0]))
+            pipes = [evaluate(prof, cl, b, [[row[d]] for row in rows], n).pipeline_time
+                     for d, n in enumerate(self.shares)]  # every replica with its share, then the common tail
+            step_time = 0.5 * self.scale * (max(pipes) + whole.tail_time)
         return {"step": self.step, "compute_times": compute, "data_shares": list(self.shares),
                 "replica_of_rank": replica_of, "stage_of_rank": stage_of, "step_time": step_time}
 
@@ -71,6 +75,9 @@ class Run:
         for a in acts:
             if isinstance(a, Replan):
                 self.plan = {"boundaries": list(a.boundaries), "rank_mapping": [list(r) for r in a.rank_mapping]}
+                replicas = len(a.rank_mapping[0])
+                if replicas != len(self.shares):  # another depth: the global batch over the new replicas, equally
+                    self.shares = [self.total // replicas] * replicas
             elif isinstance(a, SetDataShares):
                 self.shares = list(a.shares) if a.shares else [self.total // len(self.shares)] * len(self.shares)
 
@@ -134,11 +141,11 @@ def test_a_device_fast_only_under_a_light_load_is_not_taken_for_recovered(tmp_pa
         assert len(acts) >= 3  # what the guard prevents
 
 
-def test_a_move_that_does_not_deliver_is_corrected_from_the_step_time(tmp_path):
+def test_the_first_move_plans_for_the_slowdown_the_step_sees(tmp_path):
     """The compute times show d1 at half speed, but the step suffers as if it ran at a fifth (its
-    communication and optimizer step slow down too, as on the emulated cluster). The first move, planned for
-    half speed, measures a step far above its prediction; the policy then fits d1's speed to the measured step
-    and moves again - once: the step then matches the model and nothing more happens."""
+    communication and optimizer step slow down too, as on the emulated cluster). Before planning, the policy
+    fits d1's speed to the measured step: the one move it makes is planned for a fifth, and the step after it
+    is the one it predicted."""
     files = write_files(tmp_path, [0.001] + [0.01] * 10 + [0.002])
     r = Run(files, [[0], [1], [2], [3]], [0, 3, 6, 9, 12])
     r.step_speed = [1.0] * 4
@@ -147,6 +154,30 @@ def test_a_move_that_does_not_deliver_is_corrected_from_the_step_time(tmp_path):
     assert run(pol, r, 10) == []
     r.speed[1], r.step_speed = 0.5, [1.0, 0.2, 1.0, 1.0]
     acts = run(pol, r, 80)
+    assert [type(a).__name__ for _, a in acts] == ["Replan"]
+    first = pol.decisions[-1]
+    assert first["throughputs"][1] == pytest.approx(0.2, rel=0.05)  # the step's view of d1
+    assert pol.throughputs[1] == pytest.approx(0.5, rel=0.1)  # its compute view is kept apart
+    assert r.metrics()["step_time"] == pytest.approx(first["predicted_after"], rel=0.1)
+
+
+def test_a_move_that_does_not_deliver_is_corrected_from_the_step_time(tmp_path):
+    """After a move, the step gets slower than the model predicts (d1's links or optimizer step slow down
+    further while its compute times stay at half speed): the policy fits d1's speed to the measured step
+    and moves again - once: the step then matches the model and nothing more happens."""
+    files = write_files(tmp_path, [0.001] + [0.01] * 10 + [0.002])
+    r = Run(files, [[0], [1], [2], [3]], [0, 3, 6, 9, 12])
+    r.step_speed = [1.0] * 4
+    pol = build_policy({"name": "replan", "total_steps": 500})
+    pol.on_train_begin(r.ctx())
+    assert run(pol, r, 10) == []
+    r.speed[1], r.step_speed = 0.5, [1.0, 0.5, 1.0, 1.0]
+    acts = []
+    while not acts and r.step < 60:
+        acts = run(pol, r, 1)
+    assert [type(a).__name__ for _, a in acts] == ["Replan"]
+    r.step_speed = [1.0, 0.2, 1.0, 1.0]
+    acts += run(pol, r, 80)
     assert [type(a).__name__ for _, a in acts] == ["Replan", "Replan"]
     first, second = [d for d in pol.decisions if d["kind"] == "replan"]
     assert first["throughputs"][1] == pytest.approx(0.5, rel=0.1)
@@ -157,7 +188,8 @@ def test_a_move_that_does_not_deliver_is_corrected_from_the_step_time(tmp_path):
     assert measured == pytest.approx(second["predicted_after"], rel=0.1)
     again = build_policy({"name": "replan", "total_steps": 500})  # what a checkpoint keeps of it
     again.load_state_dict(pol.state_dict())
-    assert (again.step_factor, again.slow_load, again.plan) == (pol.step_factor, pol.slow_load, pol.plan)
+    assert (again.step_factor, again.slow_load, again.plan, again.start_stages) == (
+        pol.step_factor, pol.slow_load, pol.plan, pol.start_stages)
     assert again.step_factor[1] == pytest.approx(0.4, rel=0.05)
 
 
@@ -195,10 +227,11 @@ def test_small_saving_or_blip_changes_nothing(files):
 
 def test_pipe2x2_prefers_data_shares_when_they_do_as_well(files):
     r = Run(files, [[0, 1], [2, 3]], [0, 4, 8])
+    r.step_speed = [1.0] * 4
     pol = build_policy({"name": "replan", "total_steps": 500})
     pol.on_train_begin(r.ctx())
     run(pol, r, 5)
-    r.speed[1] = 0.4  # stage 0 of replica 1
+    r.speed[1], r.step_speed = 0.4, [1.0, 0.4, 1.0, 1.0]  # stage 0 of replica 1
     acts = run(pol, r, 10)
     assert acts and isinstance(acts[0][1], SetDataShares)
     assert acts[0][1].shares[1] < acts[0][1].shares[0]
@@ -209,3 +242,40 @@ def test_pipe2x2_prefers_data_shares_when_they_do_as_well(files):
     r.speed[1] = 0.4
     acts = run(pol, r, 10)
     assert acts and isinstance(acts[0][1], Replan)
+
+
+#: a profile like the demo model's: a light embedding, eight blocks, a light head
+DEMO_WORK = [0.0007, 0.0538, 0.056, 0.0512, 0.066, 0.0528, 0.0559, 0.0508, 0.0593, 0.0037]
+
+
+@pytest.mark.parametrize("change_depth", [True, False])
+def test_pipe2x2_changes_depth_when_the_slow_device_can_take_a_light_stage(tmp_path, change_depth):
+    """Pipe 2 x data 2, d1 slow (its compute at 0.4, the whole step seeing it at 0.3): every pipe-2 plan keeps
+    the same boundaries in both replicas, so the slow device carries half a replica's layers or fewer
+    micro-batches; pipe 4 gives it the light head alone. The policy moves to 4 stages (the step it predicts
+    is the one measured after); with `change_depth: false` it stays at 2 stages and splits the data. The calm
+    cluster never changes depth, though the model prefers pure data parallelism there."""
+    files = write_files(tmp_path, DEMO_WORK)
+    r = Run(files, [[0, 1], [2, 3]], [0, 5, 10])
+    r.step_speed = [1.0] * 4
+    pol = build_policy({"name": "replan", "total_steps": 80, "change_depth": change_depth})
+    pol.on_train_begin(r.ctx())
+    assert run(pol, r, 20) == []
+    if change_depth:  # the model's preference on the cluster as described: pure data parallelism
+        cl, prof = Cluster.load(files[0]), Profile.load(files[1])
+        assert solve("dp", prof, cl, 1, 2).predicted_step_time < solve("dp", prof, cl, 2, 4).predicted_step_time
+    r.speed[1], r.step_speed = 0.4, [1.0, 0.3, 1.0, 1.0]
+    acts = run(pol, r, 40)
+    assert len(acts) == 1
+    d = pol.decisions[-1]
+    if not change_depth:
+        assert isinstance(acts[0][1], SetDataShares) and d["stages"] == 2
+        return
+    new = acts[0][1]
+    assert isinstance(new, Replan) and len(new.rank_mapping) == 4 and d["stages"] == 4
+    assert "pipeline depth 2 -> 4" in new.reason
+    s = [row[0] for row in new.rank_mapping].index(1)
+    assert sum(DEMO_WORK[new.boundaries[s]:new.boundaries[s + 1]]) < 0.01  # d1: a light stage
+    assert r.metrics()["step_time"] == pytest.approx(d["predicted_after"], rel=0.1)
+    assert r.shares == [8]
+    assert run(pol, r, 30) == []  # no churn

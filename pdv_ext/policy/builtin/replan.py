@@ -7,7 +7,11 @@ policy compares each rank's measured compute time per micro-batch with what the 
 layers on its device (the layer profile over the device's throughput): the median ratio calibrates the model
 to this run (the profile's device is not these devices), and a rank whose ratio stays off the median by more
 than `threshold` for `patience` agreement steps makes its device's throughput in the cluster model follow the
-measurement. Then the same solver as start-up plans again (same number of stages) and the policy compares:
+measurement. Before it plans, the measured step time says how slow that device is in effect: a slowed
+device's communication and optimizer step slow down too, so when the step is slower than the model makes it
+with the compute times' speeds, the device is slowed further, as the step sees it (`step_factor`, fitted to
+the step). Then the same solver as start-up plans again - at the same pipeline depth, and (`change_depth`) at
+every other depth the ranks and the global batch divide into - and the policy compares:
 
 - the step the re-plan predicts with the step the current plan now gets (both from the cost model, in this
   run's seconds: scaled by how the measured step compared with the model's while the model held), times
@@ -15,7 +19,12 @@ measurement. Then the same solver as start-up plans again (same number of stages
   measured seconds; before any move `move_cost_steps` x the step time): it acts only when the saving is
   larger (the log line gives both numbers);
 - with data-parallel replicas, a data-share split alone (`pdv_ext.policy.shares`, no move): when that
-  predicts a step within `shares_margin` of the re-plan's, it is chosen instead (no move, no cost).
+  predicts a step within `shares_margin` of the best re-plan's, it is chosen instead (no move, no cost);
+- another depth is trusted only as far as the model ranks depths on the cluster as described: the start-up
+  depth is taken to be the best there (the user or the mapper chose it), so another depth's prediction counts
+  at least its described-cluster ratio to the start-up depth's. A calm cluster never changes depth, and a
+  change of depth is made for the slowdown, not for the model's own preferences (a pipe 2 x data 2 plan with
+  one slow device moves to pipe 4 when the slow device then carries only a light stage).
 
 When the slowdown ends the measured speed comes back above the model's and the same rule moves the
 pipeline back, with two guards against re-planning back and forth: a device is never modelled faster than
@@ -41,7 +50,7 @@ from ...placement.cost import evaluate
 from ...placement.profile import Profile
 from ...placement.solvers import solve
 from ..base import Action, Policy, Replan, SetDataShares, TrainContext, register_policy
-from ..shares import best_shares, predicted_step
+from ..shares import best_shares
 
 
 @register_policy("replan")
@@ -65,6 +74,11 @@ class ReplanPolicy(Policy):
         shares_margin: float = Field(0.05, ge=0.0)
         #: whether a data-share split may be chosen at all (needs data-parallel replicas)
         allow_shares: bool = True
+        #: after a change, a measured step above the model's prediction by more than this factor (for `patience`
+        #: agreement steps) fits the slow devices' speed to the step and plans again
+        step_tolerance: float = Field(1.1, gt=1.0)
+        #: whether a re-plan may change the pipeline depth (number of stages; the global batch is kept)
+        change_depth: bool = True
         #: a device measured slow is believed recovered only when measured with at least this fraction of the
         #: work (its layers' profiled time) it was slow under
         confirm_load: float = Field(0.5, ge=0.0, le=1.0)
@@ -90,6 +104,9 @@ class ReplanPolicy(Policy):
         self.step_ema: Optional[float] = None
         #: device -> how much slower the step sees it than its compute times do (<= 1; fitted to the step)
         self.step_factor: Dict[int, float] = {}
+        #: the depth of the start-up plan, and each depth's best predicted step on the cluster as described
+        self.start_stages: Optional[int] = None
+        self.described: Dict[int, float] = {}
         #: every change: {"step", "kind" (replan|shares), "predicted_before", "predicted_after", "saving",
         #: "move_cost", "throughputs", ...}
         self.decisions: List[Dict[str, Any]] = []
@@ -102,6 +119,8 @@ class ReplanPolicy(Policy):
         self.placement = dict(pl)
         if self.plan is None:
             self.plan = {"boundaries": list(pl["boundaries"]), "rank_mapping": [list(r) for r in pl["rank_mapping"]]}
+        if self.start_stages is None:
+            self.start_stages = len(self.plan["rank_mapping"])
 
     def _load(self) -> None:
         if self.cluster is not None:
@@ -181,9 +200,11 @@ class ReplanPolicy(Policy):
         off = [rho / calib for rho in self.ratios]
         lim = math.log(self.options.threshold)
         off = [1.0 if skip else f for f, skip in zip(off, self._no_evidence(off))]
-        mb = int(sum(shares)) // len(shares)
+        # off only while the latest reading agrees (the smoothing would stretch a short blip past `patience`)
+        off = [f if abs(math.log(f)) <= lim or (abs(math.log(rho / calib)) > lim and (rho / calib > 1) == (f > 1))
+               else 1.0 for f, rho in zip(off, ratios)]
         if not any(abs(math.log(f)) > lim for f in off):
-            model_step = self._model_step(self._effective(self.throughputs), mb)
+            model_step = self._model_step(self._effective(self.throughputs), shares)
             if not self.slow_load:
                 self.streak = 0
                 # while the cluster is as described: how this run's whole step relates to the cost model's
@@ -194,8 +215,8 @@ class ReplanPolicy(Policy):
                 return []
             # a device is modelled slow: does the model explain the measured step? (a slow device costs more
             # than its compute where its communication and optimizer step slow down too)
-            if (self.step_calib is None or self.step_ema is None or len(set(shares)) > 1
-                    or self.step_ema <= model_step * self.step_calib * self.options.threshold):
+            if (self.step_calib is None or self.step_ema is None
+                    or self.step_ema <= model_step * self.step_calib * self.options.step_tolerance):
                 self.streak = 0
                 return []
             self.streak += 1
@@ -203,7 +224,7 @@ class ReplanPolicy(Policy):
                 return []
             self.streak = 0
             before = self._effective(self.throughputs)
-            self._fit_step(sorted(self.slow_load), mb)
+            self._fit_step(sorted(self.slow_load), shares)
             return self._choose(metrics, list(self.throughputs), self.step_calib, before)
         self.streak += 1
         if self.streak < self.options.patience:
@@ -214,6 +235,7 @@ class ReplanPolicy(Policy):
                     for t, f, d in zip(self.throughputs, off, self.cluster.devices)]
         loads = self._loads(self.plan)
         before = self._effective(self.throughputs)
+        slower = [r for r, (m, t) in enumerate(zip(measured, self.throughputs)) if m < t]
         for r, (m, t) in enumerate(zip(measured, self.throughputs)):
             if m != t:
                 self.step_factor.pop(r, None)  # a new reading: the step's view is checked again from here
@@ -221,16 +243,28 @@ class ReplanPolicy(Policy):
                 self.slow_load[r] = loads[r]  # what it was slow under (a recovery must be seen under as much)
             elif m > t:
                 self.slow_load.pop(r, None)
+        self.throughputs = measured
+        if slower and self.step_calib is not None and self.step_ema is not None:
+            self._fit_step(slower, shares)  # how slow the newly slow devices are as the step sees them
         return self._choose(metrics, measured, self.step_calib or calib, before)
 
-    def _model_step(self, throughputs: List[float], mb: int) -> float:
-        """The cost model's step time (its seconds) for the plan in force with these (effective) throughputs."""
-        pl = self.placement
+    def _model_step(self, throughputs: List[float], shares: List[int], plan: Optional[Dict[str, Any]] = None) -> float:
+        """The cost model's step time (its seconds) for `plan` (default: the plan in force) with these
+        (effective) throughputs and data `shares` (micro-batches per replica). Unequal shares: every replica's
+        pipeline on its own with its share, the slowest one, then the step's tail (gradient reduction and
+        optimizer step) of the whole plan."""
+        pl, plan = self.placement, plan or self.plan
         cluster = self.cluster.with_throughputs(throughputs, source="replan's cluster model")
-        return evaluate(self.profile, cluster, self.plan["boundaries"], self.plan["rank_mapping"], mb,
-                        pl.get("schedule", "1f1b"), pl.get("aggregator", "mean")).step_time
+        b, rows = plan["boundaries"], plan["rank_mapping"]
+        sched, agg = pl.get("schedule", "1f1b"), pl.get("aggregator", "mean")
+        whole = evaluate(self.profile, cluster, b, rows, max(1, int(sum(shares)) // len(shares)), sched, agg)
+        if len(set(shares)) == 1:
+            return whole.step_time
+        pipes = [evaluate(self.profile, cluster, b, [[row[d]] for row in rows], int(n), sched, agg).pipeline_time
+                 for d, n in enumerate(shares)]
+        return max(pipes) + whole.tail_time
 
-    def _fit_step(self, devices: List[int], mb: int) -> None:
+    def _fit_step(self, devices: List[int], shares: List[int]) -> None:
         """Slow `devices` further, as the step sees them (`step_factor`, one common factor), until the model's
         step for the plan in force, in this run's seconds, is the measured one: the compute times say which
         device is slow, the step says how slow it is in effect (its p2p and optimizer step included)."""
@@ -240,18 +274,45 @@ class ReplanPolicy(Policy):
         def scaled(k: float) -> List[float]:
             return [t * k if r in devices else t for r, t in enumerate(base)]
 
-        if self._model_step(base, mb) >= target:
+        if self._model_step(base, shares) >= target:
             return
         lo, hi = 0.05, 1.0
-        if self._model_step(scaled(lo), mb) <= target:  # slower than the model can say: as slow as it goes
+        if self._model_step(scaled(lo), shares) <= target:  # slower than the model can say: as slow as it goes
             k = lo
         else:
             for _ in range(40):  # the model's step falls as the devices get faster
                 mid = 0.5 * (lo + hi)
-                lo, hi = (mid, hi) if self._model_step(scaled(mid), mb) > target else (lo, mid)
+                lo, hi = (mid, hi) if self._model_step(scaled(mid), shares) > target else (lo, mid)
             k = hi
         for r in devices:
             self.step_factor[r] = self.step_factor.get(r, 1.0) * k
+
+    def _solve(self, cluster: Cluster, stages: int, mb: int):
+        """The start-up solver's plan for `cluster` at `stages` stages, `mb` micro-batches per replica."""
+        pl = self.placement
+        return solve(pl.get("solver", "dp"), self.profile, cluster, stages, mb, schedule=pl.get("schedule", "1f1b"),
+                     aggregator=pl.get("aggregator", "mean"), **pl.get("solver_options", {}))
+
+    def _depths(self, total: int) -> List[int]:
+        """The pipeline depths a re-plan may use: every rank busy (the depth divides the ranks), the global batch
+        of `total` micro-batches kept (it divides into the replicas), at least one layer per stage."""
+        stages = len(self.plan["rank_mapping"])
+        if not self.options.change_depth:
+            return [stages]
+        n = len(self.cluster)
+        return [s for s in range(1, min(n, len(self.profile)) + 1)
+                if (n % s == 0 and total % (n // s) == 0) or s == stages]
+
+    def _depth_trust(self, stages: int, total: int) -> float:
+        """>= 1, the factor on another depth's predicted step: the start-up depth is taken to be the best on the
+        cluster as described, so where the model prefers `stages` there, its preference is not believed."""
+        start = self.start_stages or len(self.plan["rank_mapping"])
+        if stages == start:
+            return 1.0
+        for s in (start, stages):
+            if s not in self.described:
+                self.described[s] = self._solve(self.cluster, s, total // (len(self.cluster) // s)).predicted_step_time
+        return max(1.0, self.described[start] / self.described[stages])
 
     def _choose(self, metrics: Dict[str, Any], measured: List[float], calib: float,
                 before: List[float]) -> List[Action]:
@@ -260,16 +321,18 @@ class ReplanPolicy(Policy):
         o = self.options
         self.throughputs = measured
         cluster = self._cluster_now()
-        pl = self.placement
         stages, replicas = len(self.plan["rank_mapping"]), len(self.plan["rank_mapping"][0])
         total = int(sum(metrics["data_shares"]))
         mb = total // replicas
         step = int(metrics["step"])
         remaining = (o.total_steps - step) if o.total_steps is not None else o.horizon_steps
-        now = self._model_step(self._effective(measured), mb) * calib
-        new = solve(pl.get("solver", "dp"), self.profile, cluster, stages, mb, schedule=pl.get("schedule", "1f1b"),
-                    aggregator=pl.get("aggregator", "mean"), **pl.get("solver_options", {}))
-        after = new.predicted_step_time * calib
+        now = self._model_step(self._effective(measured), list(metrics["data_shares"])) * calib
+        # the best plan at every depth allowed (same depth: as predicted; another: discounted, see _depth_trust)
+        options = []
+        for s in self._depths(total):
+            plan = self._solve(cluster, s, total // (len(self.cluster) // s))
+            options.append((plan.predicted_step_time * calib * self._depth_trust(s, total), s, plan))
+        after, depth, new = min(options, key=lambda x: (x[0], x[1] != stages))
         last = metrics.get("last_move") or {}
         step_time = float(metrics.get("step_time") or now)
         cost = float(last["seconds"]) if last.get("seconds") else o.move_cost_steps * step_time
@@ -278,16 +341,15 @@ class ReplanPolicy(Policy):
         slow = [f"{self.cluster.devices[r].name} {m / t:.2f}x" for r, (m, t)
                 in enumerate(zip(self._effective(measured), before)) if m != t]
         record = {"step": step, "predicted_before": now, "predicted_after": after, "saving": saving,
-                  "move_cost": cost, "throughputs": self._effective(measured), "remaining_steps": remaining}
-        # the data-share alternative (no move), compared with the re-plan in the same formula
+                  "move_cost": cost, "throughputs": self._effective(measured), "remaining_steps": remaining,
+                  "stages": depth}
+        # the data-share alternative (no move): the best split for the replicas' speeds (the data-share formula),
+        # its step from the cost model; taken when within `shares_margin` of the best move
         if o.allow_shares and replicas > 1:
-            t_now = self._replica_times(cluster, self.plan)
-            split = best_shares(t_now, total, stages)
-            t_new = self._replica_times(cluster, {"boundaries": new.boundaries, "rank_mapping": new.rank_mapping})
-            by_shares = predicted_step(split, t_now, stages)
-            by_move = predicted_step([total // replicas] * replicas, t_new, stages)
-            if by_shares <= by_move * (1.0 + o.shares_margin) and split != list(metrics["data_shares"]):
-                record.update(kind="shares", shares=split)
+            split = best_shares(self._replica_times(cluster, self.plan), total, stages)
+            by_shares = self._model_step(self._effective(measured), split) * calib
+            if by_shares <= after * (1.0 + o.shares_margin) and split != list(metrics["data_shares"]):
+                record.update(kind="shares", shares=split, stages=stages, predicted_after=by_shares)
                 self.decisions.append(record)
                 self.seen, self.step_ema = 0, None
                 return [SetDataShares(None if len(set(split)) == 1 else tuple(split))]
@@ -297,19 +359,23 @@ class ReplanPolicy(Policy):
                 record.update(kind="kept", boundaries=new.boundaries, rank_mapping=new.rank_mapping)
                 self.decisions.append(record)
             return []
-        reason = (f"measured speeds {', '.join(slow)} of the model's; predicted step {now:.3f} s -> {after:.3f} s, "
-                  f"saving {saving:.1f} s over {remaining} steps > move cost {cost:.1f} s ({cost_kind})")
+        deeper = f"pipeline depth {stages} -> {depth} stages; " if depth != stages else ""
+        reason = (f"measured speeds {', '.join(slow)} of the model's; {deeper}predicted step {now:.3f} s -> "
+                  f"{after:.3f} s, saving {saving:.1f} s over {remaining} steps > move cost {cost:.1f} s ({cost_kind})")
         record.update(kind="replan", boundaries=new.boundaries, rank_mapping=new.rank_mapping, reason=reason)
         self.decisions.append(record)
         self.plan = {"boundaries": list(new.boundaries), "rank_mapping": [list(r) for r in new.rank_mapping]}
         self.ratios, self.seen, self.step_ema = None, 0, None  # new layers on every device: measure afresh
-        return [Replan(tuple(new.boundaries), tuple(tuple(r) for r in new.rank_mapping), reason=reason)]
+        # the new plan was chosen for equal shares (a move to another depth starts from them anyway)
+        equal = [SetDataShares(None)] if len(set(metrics["data_shares"])) > 1 and depth == stages else []
+        return equal + [Replan(tuple(new.boundaries), tuple(tuple(r) for r in new.rank_mapping), reason=reason)]
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         return {"plan": self.plan, "ratios": self.ratios, "seen": self.seen, "streak": self.streak,
                 "throughputs": self.throughputs, "step_calib": self.step_calib, "decisions": list(self.decisions),
-                "slow_load": dict(self.slow_load), "step_ema": self.step_ema, "step_factor": dict(self.step_factor)}
+                "slow_load": dict(self.slow_load), "step_ema": self.step_ema, "step_factor": dict(self.step_factor),
+                "start_stages": self.start_stages}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.plan, self.ratios = state.get("plan"), state.get("ratios")
@@ -320,3 +386,4 @@ class ReplanPolicy(Policy):
         self.slow_load = {int(r): float(w) for r, w in (state.get("slow_load") or {}).items()}
         self.step_ema = state.get("step_ema")
         self.step_factor = {int(r): float(f) for r, f in (state.get("step_factor") or {}).items()}
+        self.start_stages = state.get("start_stages")
