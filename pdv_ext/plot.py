@@ -138,8 +138,9 @@ def plot_adapt(result_path: str, out: str, smooth: int = 3) -> List[str]:
                 i = min(max(int(d["step"]) - 1, 0), len(t) - 1)
                 ax.plot(t[i], smoothed[i], marker="v", color=colour, ms=8)
                 shares = d.get("shares")
-                text = ("re-plan " + "/".join(str(b) for b in d["boundaries"]) if d.get("replan")
-                        else "equal" if not shares else "/".join(map(str, shares)))
+                rows = d.get("rank_mapping") or [[]]
+                text = (f"re-plan pipe {len(rows)}x{len(rows[0])}: " + "/".join(str(b) for b in d["boundaries"])
+                        if d.get("replan") else "equal" if not shares else "/".join(map(str, shares)))
                 ax.annotate(text, (t[i], smoothed[i]),
                             textcoords="offset points", xytext=(4, 8), fontsize=8, color=colour)
     run0 = series.get("static") or next(iter(series.values()))

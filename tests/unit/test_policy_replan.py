@@ -43,6 +43,8 @@ class Run:
         #: the devices' speeds as the whole step sees them (None: as the compute times): a slow device whose
         #: communication and optimizer step slow down too costs the step more than its compute shows
         self.step_speed = None
+        #: device -> its speed as read on a load below `light_below` (a light load that waits for its quota)
+        self.work_speed, self.light_below = {}, 0.0
 
     def ctx(self):
         return TrainContext(world_size=4, dp_size=len(self.shares), micro_batch_size=4, micro_batches=self.shares[0],
@@ -58,6 +60,8 @@ class Run:
             for d, r in enumerate(row):
                 work = sum(self.work[b[s]:b[s + 1]])
                 speed = self.speed[r] if work >= self.slow_from_work else 1.0
+                if work < self.light_below and r in self.work_speed:
+                    speed = self.work_speed[r]
                 compute[r] = self.scale * work / speed * self.shares[d]
                 stage_of[r], replica_of[r] = s, d
         step_time = max(compute) * 1.5
@@ -279,3 +283,30 @@ def test_pipe2x2_changes_depth_when_the_slow_device_can_take_a_light_stage(tmp_p
     assert r.metrics()["step_time"] == pytest.approx(d["predicted_after"], rel=0.1)
     assert r.shares == [8]
     assert run(pol, r, 30) == []  # no churn
+
+
+@pytest.mark.parametrize("confirm_load", [0.5, 0.0])
+def test_a_light_load_on_a_slow_device_is_not_taken_for_a_further_slowdown(tmp_path, confirm_load):
+    """After the move leaves the slow device the embedding alone, its compute times on that millisecond of
+    work read it far slower still (on the emulated cluster such work waits for the next CPU-quota period):
+    with `confirm_load` the policy does not act on that reading; without it, it moves again for nothing."""
+    files = write_files(tmp_path, [0.001] + [0.01] * (LAYERS - 2) + [0.002])
+    r = Run(files, [[0], [1], [2], [3]], [0, 3, 5, 7, 8])
+    r.step_speed = [1.0] * 4
+    pol = build_policy({"name": "replan", "total_steps": 500, "confirm_load": confirm_load})
+    pol.on_train_begin(r.ctx())
+    assert run(pol, r, 10) == []
+    r.speed[1], r.step_speed = 0.3, [1.0, 0.3, 1.0, 1.0]
+    acts = run(pol, r, 20)
+    assert len(acts) == 1
+    ranks = [row[0] for row in acts[0][1].rank_mapping]
+    assert acts[0][1].boundaries[ranks.index(1) + 1] - acts[0][1].boundaries[ranks.index(1)] == 1  # one light layer
+    modelled = pol.throughputs[1]
+    r.slow_from_work, r.speed[1] = 0.0, 0.3
+    r.work_speed = {1: 0.05}  # d1's reading on a light load
+    r.light_below = 0.005
+    later = run(pol, r, 40)
+    if confirm_load:
+        assert later == [] and pol.throughputs[1] == modelled
+    else:
+        assert pol.throughputs[1] < 0.5 * modelled

@@ -29,9 +29,11 @@ every other depth the ranks and the global batch divide into - and the policy co
 When the slowdown ends the measured speed comes back above the model's and the same rule moves the
 pipeline back, with two guards against re-planning back and forth: a device is never modelled faster than
 the cluster description says (a faster reading there is the profile's and the measurement's noise), and a
-device measured slow is believed recovered only when it carries at least `confirm_load` of the work it was
+device measured slow is measured again only while it carries at least `confirm_load` of the work it was
 slow under (a throttled device given little work can run at full speed - a CPU quota or a power cap that
-the light load never reaches - and taking that for a recovery moves the work back where it is slow again).
+the light load never reaches - and taking that for a recovery moves the work back where it is slow again;
+or a millisecond of work waits for the next quota period, and taking that for a further slowdown moves
+what little it has for nothing).
 `decisions` records every choice with its predicted step times (calibrated seconds).
 Needs `pdv.placement` with a cluster and a profile (the start-up planning's), or the `cluster` and `profile`
 options.
@@ -79,8 +81,8 @@ class ReplanPolicy(Policy):
         step_tolerance: float = Field(1.1, gt=1.0)
         #: whether a re-plan may change the pipeline depth (number of stages; the global batch is kept)
         change_depth: bool = True
-        #: a device measured slow is believed recovered only when measured with at least this fraction of the
-        #: work (its layers' profiled time) it was slow under
+        #: a device measured slow is measured again (recovered or slower) only while it carries at least this
+        #: fraction of the work (its layers' profiled time) it was slow under
         confirm_load: float = Field(0.5, ge=0.0, le=1.0)
         #: override pdv.placement's cluster YAML / profile JSON
         cluster: Optional[str] = None
@@ -161,13 +163,15 @@ class ReplanPolicy(Policy):
         return {int(r): float(fb[b[s]:b[s + 1]].sum()) for s, row in enumerate(plan["rank_mapping"]) for r in row}
 
     def _no_evidence(self, off: List[float]) -> List[bool]:
-        """Per rank: measured faster than the model, but that says nothing here - the device is at its
+        """Per rank: its reading says nothing here - measured faster than the model while the device is at its
         described speed already (the policy follows slowdowns and recoveries, never beyond the cluster's
-        description: a faster reading there is the profile's and the measurement's noise), or it carries
-        too little work to show the slowdown it was measured under (see the module docstring)."""
+        description: a faster reading there is the profile's and the measurement's noise), or the device was
+        measured slow and now carries too little work for its compute time to show its speed, either way (see
+        the module docstring: a light load can escape a quota, or wait a whole quota period for a millisecond
+        of work; the step-time check still sees what such a device costs the step)."""
         loads = self._loads(self.plan)
-        return [f < 1.0 and (self.throughputs[r] >= self.cluster.devices[r].throughput
-                             or (r in self.slow_load and loads[r] < self.options.confirm_load * self.slow_load[r]))
+        return [(f < 1.0 and self.throughputs[r] >= self.cluster.devices[r].throughput)
+                or (r in self.slow_load and loads[r] < self.options.confirm_load * self.slow_load[r])
                 for r, f in enumerate(off)]
 
     def _replica_times(self, cluster: Cluster, plan: Dict[str, Any]) -> List[float]:
