@@ -145,17 +145,24 @@ def test_a_device_fast_only_under_a_light_load_is_not_taken_for_recovered(tmp_pa
         assert len(acts) >= 3  # what the guard prevents
 
 
-def test_the_first_move_plans_for_the_slowdown_the_step_sees(tmp_path):
-    """The compute times show d1 at half speed, but the step suffers as if it ran at a fifth (its
-    communication and optimizer step slow down too, as on the emulated cluster). Before planning, the policy
-    fits d1's speed to the measured step: the one move it makes is planned for a fifth, and the step after it
-    is the one it predicted."""
+def calm_pipe4_with_step_times(tmp_path):
+    """Pipe 4 over 12 layers (light embedding and head) whose step time follows the cost model, after 10 calm
+    steps: the policy has calibrated the model's step to the run's."""
     files = write_files(tmp_path, [0.001] + [0.01] * 10 + [0.002])
     r = Run(files, [[0], [1], [2], [3]], [0, 3, 6, 9, 12])
     r.step_speed = [1.0] * 4
     pol = build_policy({"name": "replan", "total_steps": 500})
     pol.on_train_begin(r.ctx())
     assert run(pol, r, 10) == []
+    return r, pol
+
+
+def test_the_first_move_plans_for_the_slowdown_the_step_sees(tmp_path):
+    """The compute times show d1 at half speed, but the step suffers as if it ran at a fifth (its
+    communication and optimizer step slow down too, as on the emulated cluster). Before planning, the policy
+    fits d1's speed to the measured step: the one move it makes is planned for a fifth, and the step after it
+    is the one it predicted."""
+    r, pol = calm_pipe4_with_step_times(tmp_path)
     r.speed[1], r.step_speed = 0.5, [1.0, 0.2, 1.0, 1.0]
     acts = run(pol, r, 80)
     assert [type(a).__name__ for _, a in acts] == ["Replan"]
@@ -169,12 +176,7 @@ def test_a_move_that_does_not_deliver_is_corrected_from_the_step_time(tmp_path):
     """After a move, the step gets slower than the model predicts (d1's links or optimizer step slow down
     further while its compute times stay at half speed): the policy fits d1's speed to the measured step
     and moves again - once: the step then matches the model and nothing more happens."""
-    files = write_files(tmp_path, [0.001] + [0.01] * 10 + [0.002])
-    r = Run(files, [[0], [1], [2], [3]], [0, 3, 6, 9, 12])
-    r.step_speed = [1.0] * 4
-    pol = build_policy({"name": "replan", "total_steps": 500})
-    pol.on_train_begin(r.ctx())
-    assert run(pol, r, 10) == []
+    r, pol = calm_pipe4_with_step_times(tmp_path)
     r.speed[1], r.step_speed = 0.5, [1.0, 0.5, 1.0, 1.0]
     acts = []
     while not acts and r.step < 60:

@@ -252,14 +252,14 @@ class ReplanPolicy(Policy):
             self._fit_step(slower, shares)  # how slow the newly slow devices are as the step sees them
         return self._choose(metrics, measured, self.step_calib or calib, before)
 
-    def _model_step(self, throughputs: List[float], shares: List[int], plan: Optional[Dict[str, Any]] = None) -> float:
-        """The cost model's step time (its seconds) for `plan` (default: the plan in force) with these
-        (effective) throughputs and data `shares` (micro-batches per replica). Unequal shares: every replica's
-        pipeline on its own with its share, the slowest one, then the step's tail (gradient reduction and
-        optimizer step) of the whole plan."""
-        pl, plan = self.placement, plan or self.plan
+    def _model_step(self, throughputs: List[float], shares: List[int]) -> float:
+        """The cost model's step time (its seconds) for the plan in force with these (effective) throughputs
+        and data `shares` (micro-batches per replica). Unequal shares: every replica's pipeline on its own with
+        its share, the slowest one, then the step's tail (gradient reduction and optimizer step) of the whole
+        plan."""
+        pl = self.placement
         cluster = self.cluster.with_throughputs(throughputs, source="replan's cluster model")
-        b, rows = plan["boundaries"], plan["rank_mapping"]
+        b, rows = self.plan["boundaries"], self.plan["rank_mapping"]
         sched, agg = pl.get("schedule", "1f1b"), pl.get("aggregator", "mean")
         whole = evaluate(self.profile, cluster, b, rows, max(1, int(sum(shares)) // len(shares)), sched, agg)
         if len(set(shares)) == 1:
@@ -291,9 +291,11 @@ class ReplanPolicy(Policy):
         for r in devices:
             self.step_factor[r] = self.step_factor.get(r, 1.0) * k
 
-    def _solve(self, cluster: Cluster, stages: int, mb: int):
-        """The start-up solver's plan for `cluster` at `stages` stages, `mb` micro-batches per replica."""
+    def _solve(self, cluster: Cluster, stages: int, total: int):
+        """The start-up solver's plan for `cluster` at `stages` stages, the global batch's `total` micro-batches
+        split over the replicas that depth leaves."""
         pl = self.placement
+        mb = total // (len(self.cluster) // stages)
         return solve(pl.get("solver", "dp"), self.profile, cluster, stages, mb, schedule=pl.get("schedule", "1f1b"),
                      aggregator=pl.get("aggregator", "mean"), **pl.get("solver_options", {}))
 
@@ -315,7 +317,7 @@ class ReplanPolicy(Policy):
             return 1.0
         for s in (start, stages):
             if s not in self.described:
-                self.described[s] = self._solve(self.cluster, s, total // (len(self.cluster) // s)).predicted_step_time
+                self.described[s] = self._solve(self.cluster, s, total).predicted_step_time
         return max(1.0, self.described[start] / self.described[stages])
 
     def _choose(self, metrics: Dict[str, Any], measured: List[float], calib: float,
@@ -323,7 +325,6 @@ class ReplanPolicy(Policy):
         """`calib`: the cost model's seconds -> this run's (the step calibration, else the compute one);
         `before`: the devices' effective speeds the plan in force was chosen for."""
         o = self.options
-        self.throughputs = measured
         cluster = self._cluster_now()
         stages, replicas = len(self.plan["rank_mapping"]), len(self.plan["rank_mapping"][0])
         total = int(sum(metrics["data_shares"]))
@@ -334,7 +335,7 @@ class ReplanPolicy(Policy):
         # the best plan at every depth allowed (same depth: as predicted; another: discounted, see _depth_trust)
         options = []
         for s in self._depths(total):
-            plan = self._solve(cluster, s, total // (len(self.cluster) // s))
+            plan = self._solve(cluster, s, total)
             options.append((plan.predicted_step_time * calib * self._depth_trust(s, total), s, plan))
         after, depth, new = min(options, key=lambda x: (x[0], x[1] != stages))
         last = metrics.get("last_move") or {}
