@@ -179,6 +179,9 @@ def profile_main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--calibrate", choices=["auto", "on", "off"], default="auto",
                     help="scale the layers' forward + backward to sum to the whole model's timed pass (auto: on a "
                          "GPU, where layers timed alone miss the overlap of launches with the device's work)")
+    ap.add_argument("--no-tie-identical", action="store_true",
+                    help="give every layer its own median cost (default: identical layers, e.g. the transformer "
+                         "blocks, share the median of all their samples: their true costs are equal)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     check_ranges(ap, args, {"--layers": 1, "--hidden": 1, "--heads": 1, "--seq-len": 1, "--micro-batch": 1, "--reps": 1})
@@ -196,7 +199,8 @@ def profile_main(argv: Optional[List[str]] = None) -> int:
         loss_fn = torch.nn.functional.cross_entropy
     try:
         prof = profile_layers(specs, sample, reps=args.reps, progress=sys.stderr.isatty(), loss_fn=loss_fn,
-                              labels=labels, calibrate={"auto": None, "on": True, "off": False}[args.calibrate])
+                              labels=labels, calibrate={"auto": None, "on": True, "off": False}[args.calibrate],
+                              tie_identical=not args.no_tie_identical)
     except ProfileMemoryError as exc:
         print(f"pdv profile: {exc}", file=sys.stderr)
         return 2

@@ -545,7 +545,7 @@ def whole_pass_seconds(built: Sequence[Any], x: Any, loss: Optional[Callable] = 
 def profile_layers(layers: Sequence[Any], sample_input: Any, reps: int = 5, warmup: int = 1,
                    device: Optional[str] = None, progress: bool = False, loss_fn: Optional[Callable] = None,
                    labels: Any = None, optimizer: Optional[Callable] = None, timing: str = "auto",
-                   calibrate: Optional[bool] = None) -> Profile:
+                   calibrate: Optional[bool] = None, tie_identical: bool = True) -> Profile:
     """Profile built modules / LayerSpecs / callables in order, feeding each the previous output.
 
     Forward+backward per layer: the backward is driven by a gradient of ones of the output's shape, so
@@ -564,6 +564,13 @@ def profile_layers(layers: Sequence[Any], sample_input: Any, reps: int = 5, warm
     the layers' forward + backward to sum to the whole model's timed pass (`whole_pass_seconds`,
     `Profile.calibrated`, `meta.whole_pass_seconds`); None (default): on CUDA only.
 
+    `tie_identical` (default): layers that are the same computation - same class, same parameter and buffer
+    names, shapes and dtypes, same input and output shapes and dtypes, neither of them the last layer with the
+    loss - get one cost, the median of all their samples pooled. Their true costs are equal, while each one's
+    own median keeps the measurement's noise (identical blocks under a CPU quota measured 37-52 ms), and the
+    solver then puts the blocks that happened to measure cheap together on one stage, which runs slower than
+    predicted. `meta.identical_layers` lists the groups.
+
     Modules passed in built are profiled where they are moved to (`device`, default CUDA when available)
     and left as they were: same device, dtype, values, gradients, training mode and Parameter objects.
     They are profiled in training mode.
@@ -581,13 +588,38 @@ def profile_layers(layers: Sequence[Any], sample_input: Any, reps: int = 5, warm
     kept = [_Kept(spec) for spec in layers if isinstance(spec, nn.Module)]  # before any move: tied weights too
     try:
         return _profile(layers, sample_input, reps, warmup, dev, progress, loss_fn, labels, optimizer, timing,
-                        calibrate)
+                        calibrate, tie_identical)
     finally:
         for k in kept:
             k.restore()
 
 
-def _profile(layers, sample_input, reps, warmup, dev, progress, loss_fn, labels, optimizer, timing, calibrate):
+def _signature(mod: Any, inp: Any, out: Any) -> Optional[tuple]:
+    """What makes two layers the same computation (None: not a module, never tied): the class, every parameter's
+    and buffer's name, shape and dtype, and the input's and output's tensor shapes and dtypes."""
+    from torch import nn
+
+    if not isinstance(mod, nn.Module):
+        return None
+    shapes = lambda x: tuple((tuple(t.shape), str(t.dtype)) for t in _tensors(x))  # noqa: E731
+    return (type(mod).__qualname__,
+            tuple((n, tuple(p.shape), str(p.dtype)) for n, p in mod.named_parameters()),
+            tuple((n, tuple(b.shape), str(b.dtype)) for n, b in mod.named_buffers()),
+            shapes(inp), shapes(out))
+
+
+def _tie(samples: List[List[float]], groups: List[List[int]]) -> List[float]:
+    """Per layer: the median of its samples, or of its group's samples pooled."""
+    med = [float(statistics.median(s)) for s in samples]
+    for g in groups:
+        pooled = float(statistics.median([v for i in g for v in samples[i]]))
+        for i in g:
+            med[i] = pooled
+    return med
+
+
+def _profile(layers, sample_input, reps, warmup, dev, progress, loss_fn, labels, optimizer, timing, calibrate,
+             tie_identical=True):
     import torch
     from torch import nn
 
@@ -608,11 +640,12 @@ def _profile(layers, sample_input, reps, warmup, dev, progress, loss_fn, labels,
     cuda = dev.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     event = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else _HostEvent
-    inputs = []  # each layer's input: the previous layer's output
+    inputs, outs = [], []  # each layer's input (the previous layer's output) and output
     with torch.no_grad():
         for mod in built:
             inputs.append(x)
             x = _detach(mod(_detach(x)))
+            outs.append(x)
     params = [list(m.parameters()) if isinstance(m, nn.Module) else [] for m in built]
     updates = [_Update(p, optimizer) for p in params]
     n = len(built)
@@ -648,10 +681,18 @@ def _profile(layers, sample_input, reps, warmup, dev, progress, loss_fn, labels,
     finally:
         for u in updates:
             u.restore()
+    groups: List[List[int]] = []
+    if tie_identical:
+        by_sig: Dict[Any, List[int]] = {}
+        for i, mod in enumerate(built):
+            sig = None if (i == n - 1 and last_loss is not None) else _signature(mod, inputs[i], outs[i])
+            if sig is not None:
+                by_sig.setdefault(sig, []).append(i)
+        groups = [g for g in by_sig.values() if len(g) > 1]
+    t_med, f_med, u_med = _tie(times, groups), _tie(fwds, groups), _tie(upd, groups)
     out = [LayerProfile(type(mod).__name__ if not hasattr(spec, "typename") else spec.typename.__name__,
-                        float(statistics.median(times[i])), float(sum(p.numel() * p.element_size() for p in params[i])),
-                        act[i], saved[i], float(statistics.median(upd[i])),
-                        fwd=float(statistics.median(fwds[i])))
+                        t_med[i], float(sum(p.numel() * p.element_size() for p in params[i])),
+                        act[i], saved[i], u_med[i], fwd=f_med[i])
            for i, (mod, spec) in enumerate(zip(built, layers))]
     if dev == "cpu":
         msg = message_time([l.act_bytes for l in out], reps, warmup)
@@ -661,6 +702,8 @@ def _profile(layers, sample_input, reps, warmup, dev, progress, loss_fn, labels,
     prof = Profile(out, micro_batch=mb, device=dev, device_throughput=matmul_throughput(device=dev))
     prof.meta["timing"] = ("events per layer, one synchronize per pass" if timing == "pass"
                            else "host clock per layer, synchronised around each")
+    if groups:
+        prof.meta["identical_layers"] = groups
     if whole is not None:
         layer_sum = sum(l.fwd_bwd for l in out)
         prof = prof.calibrated(whole)

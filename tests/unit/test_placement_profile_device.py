@@ -172,3 +172,26 @@ def test_a_model_too_large_for_the_device_is_refused_before_it_moves():
     assert all(p.device.type == "cpu" for m in layers for p in m.parameters())
     # parameters already on the device are not in its free memory: they count as already placed
     check_fits(layers, (PROFILE_BYTES_PER_PARAM_BYTE - 1) * size, "cpu")
+
+
+def test_identical_layers_share_the_median_of_their_pooled_samples():
+    """The blocks of a model are one computation: each one's own median keeps the measurement's noise, which
+    the solver would take for a real difference. Their samples are pooled; other layers keep their own."""
+    assert P._tie([[1.0, 2.0, 3.0], [10.0, 11.0, 12.0], [5.0]], [[0, 1]]) == [6.5, 6.5, 5.0]
+    assert P._tie([[1.0, 2.0, 3.0], [10.0, 11.0, 12.0]], []) == [2.0, 11.0]
+
+
+def test_profile_ties_identical_layers_only():
+    """Same class, shapes and dtypes: tied; another width, or the last layer with the loss: not."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16)]
+    x, y = torch.randn(4, 8), torch.randint(0, 16, (4,))
+    prof = profile_layers(layers, x, reps=3, loss_fn=nn.functional.cross_entropy, labels=y, device="cpu")
+    assert prof.meta["identical_layers"] == [[0, 1]]  # the last Linear(16, 16) computes the loss: its own cost
+    a, b = prof.layers[0], prof.layers[1]
+    assert (a.fwd_bwd, a.fwd, a.update) == (b.fwd_bwd, b.fwd, b.update)
+    plain = profile_layers(layers, x, reps=3, device="cpu")
+    assert plain.meta["identical_layers"] == [[0, 1], [3, 4]]
+    assert plain.layers[3].fwd_bwd == plain.layers[4].fwd_bwd
+    own = profile_layers(layers, x, reps=3, device="cpu", tie_identical=False)
+    assert "identical_layers" not in own.meta
