@@ -142,7 +142,8 @@ def plot_adapt(result_path: str, out: str, smooth: int = 3) -> List[str]:
                 text = (f"re-plan pipe {len(rows)}x{len(rows[0])}: " + "/".join(str(b) for b in d["boundaries"])
                         if d.get("replan") else "equal" if not shares else "/".join(map(str, shares)))
                 ax.annotate(text, (t[i], smoothed[i]),
-                            textcoords="offset points", xytext=(4, 8), fontsize=8, color=colour)
+                            textcoords="offset points", xytext=(6, 8), fontsize=8, color=colour, zorder=5,
+                            bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.8))
     run0 = series.get("static") or next(iter(series.values()))
     for e in run0.get("events_log", []):
         if e.get("applied") and e.get("wall") is not None:

@@ -402,22 +402,29 @@ def oracle_pipeline_plan(sc, cluster, events, placement: Dict[str, Any], workroo
 
 def replan_figures(result: Dict[str, Any], event_steps: List[Optional[int]], window: int = 8) -> List[Dict[str, Any]]:
     """Per move of the adaptive run: its measured cost (seconds, bytes, in step times), and the step time the
-    replan policy predicted before and after it against the median measured in `window` steps on each
-    side (after the last event before it; the step that moved excluded)."""
+    replan policy predicted before and after it against the median measured on each side. Before: the
+    `window` steps up to the move (after the last event before it; the step that moved excluded). After: every
+    step the new plan ran (up to the next move or event, or the end): the prediction is for the plan's steady
+    step, and on the emulated cluster a few steps drift by 10-20% with no change at all (`measured_step_after_
+    first` keeps the median of the first `window` steps after the move, for comparison)."""
     import statistics
 
     out = []
     dur = result["durations"]
     preds = [p for p in result.get("predictions", []) if p.get("kind") == "replan"]
+    changes = sorted({int(m["step"]) for m in result["moves"]} | {e for e in event_steps if e is not None})
     for mv in result["moves"]:
         k = mv["step"]  # 1-based: the step whose end moved the pipeline
         hit = max([e for e in event_steps if e is not None and e <= k] or [1])
+        end = min([c for c in changes if c > k] or [len(dur) + 1])  # the next change's step (it ran the old plan)
         before = dur[max(hit, k - window) - 1:k - 1] or dur[k - 1:k]
-        after = dur[k:k + window]
+        after = dur[k:end - 1]
         pred = next((p for p in reversed(preds) if p["step"] <= k), None)
         mb, ma = statistics.median(before), (statistics.median(after) if after else None)
         fig = {"step": k, "move_seconds": mv["seconds"], "bytes_moved": mv["bytes_moved"],
                "move_in_steps": mv["seconds"] / mb, "measured_step_before": mb, "measured_step_after": ma,
+               "steps_after": len(after),
+               "measured_step_after_first": statistics.median(after[:window]) if after else None,
                "new_plan": mv.get("new_plan")}
         if pred is not None:
             fig.update(predicted_step_before=pred["predicted_before"], predicted_step_after=pred["predicted_after"])

@@ -95,6 +95,23 @@ def test_a_move_is_reported_with_its_cost_and_predictions():
     fig = adapt.replan_figures(res, [4])[0]
     assert fig["measured_step_before"] == 2.0 and fig["measured_step_after"] == 1.0
     assert fig["move_in_steps"] == 0.25 and fig["prediction_error_after"] == pytest.approx(0.1)
+    assert fig["steps_after"] == 4
+
+
+def test_the_step_after_a_move_is_every_step_its_plan_ran():
+    """The median over the span up to the next change (another move, an event), not the first few steps: a
+    short transient after the move does not decide, and the next plan's steps do not count."""
+    res = _result()
+    res["durations"] = [1.0] * 3 + [2.0] * 3 + [0.5, 0.5, 1.2, 1.2, 1.2, 1.2, 1.2, 3.0, 3.0, 3.0]
+    res["moves"] = [{"step": 6, "seconds": 0.5, "bytes_moved": 1000}, {"step": 13, "seconds": 0.5, "bytes_moved": 1}]
+    res["predictions"] = [{"step": 6, "kind": "replan", "predicted_before": 2.1, "predicted_after": 1.1},
+                          {"step": 13, "kind": "replan", "predicted_before": 3.0, "predicted_after": 2.0}]
+    first, second = adapt.replan_figures(res, [4], window=3)
+    assert first["steps_after"] == 6 and first["measured_step_after"] == 1.2  # steps 7-12
+    assert first["measured_step_after_first"] == 0.5
+    assert first["prediction_error_after"] == pytest.approx(0.1 / 1.2)
+    assert second["steps_after"] == 3 and second["measured_step_after"] == 3.0
+    assert adapt.replan_figures(res, [4, 10], window=3)[0]["steps_after"] == 3  # an event at step 10 ends it
 
 
 def test_replan_plugins_get_the_runs_length():
