@@ -619,7 +619,7 @@ def _tie(samples: List[List[float]], groups: List[List[int]]) -> List[float]:
 
 
 def _profile(layers, sample_input, reps, warmup, dev, progress, loss_fn, labels, optimizer, timing, calibrate,
-             tie_identical=True):
+             tie_identical):
     import torch
     from torch import nn
 
@@ -640,12 +640,12 @@ def _profile(layers, sample_input, reps, warmup, dev, progress, loss_fn, labels,
     cuda = dev.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     event = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else _HostEvent
-    inputs, outs = [], []  # each layer's input (the previous layer's output) and output
+    inputs = []  # each layer's input: the previous layer's output
     with torch.no_grad():
         for mod in built:
             inputs.append(x)
             x = _detach(mod(_detach(x)))
-            outs.append(x)
+    outs = inputs[1:] + [x]  # each layer's output
     params = [list(m.parameters()) if isinstance(m, nn.Module) else [] for m in built]
     updates = [_Update(p, optimizer) for p in params]
     n = len(built)
