@@ -427,7 +427,8 @@ def replan_figures(result: Dict[str, Any], event_steps: List[Optional[int]], win
                "measured_step_after_first": statistics.median(after[:window]) if after else None,
                "new_plan": mv.get("new_plan")}
         if pred is not None:
-            fig.update(predicted_step_before=pred["predicted_before"], predicted_step_after=pred["predicted_after"])
+            fig.update(predicted_step_before=pred["predicted_before"], predicted_step_after=pred["predicted_after"],
+                       calibration=pred.get("calib"))
             if ma:
                 fig["prediction_error_after"] = abs(pred["predicted_after"] - ma) / ma
         out.append(fig)

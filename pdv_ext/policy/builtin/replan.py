@@ -14,10 +14,11 @@ the step). Then the same solver as start-up plans again - at the same pipeline d
 every other depth the ranks and the global batch divide into - and the policy compares:
 
 - the step the re-plan predicts with the step the current plan now gets (both from the cost model, in this
-  run's seconds: scaled by how the measured step compared with the model's while the model held), times
-  the remaining steps (`total_steps`), against the cost of moving (the last move's
-  measured seconds; before any move `move_cost_steps` x the step time): it acts only when the saving is
-  larger (the log line gives both numbers);
+  run's seconds: scaled by how the measured step compared with the model's while the model held, when that
+  is beyond `calib_band`), times the remaining steps (`total_steps`), against the cost of moving (the last
+  move's measured seconds; before any move `move_cost_steps` x the step time): it acts only when the saving
+  is larger (the log line gives both numbers) and the predicted step is at least `min_gain` faster (less is
+  within the model's accuracy: as likely a loss);
 - with data-parallel replicas, a data-share split alone (`pdv_ext.policy.shares`, no move): when that
   predicts a step within `shares_margin` of the best re-plan's, it is chosen instead (no move, no cost);
 - another depth is trusted only as far as the model ranks depths on the cluster as described: the start-up
@@ -74,6 +75,9 @@ class ReplanPolicy(Policy):
         move_cost_steps: float = Field(3.0, ge=0.0)
         #: take a data-share split instead of a move when it predicts a step within this fraction of it
         shares_margin: float = Field(0.05, ge=0.0)
+        #: a change must predict a step at least this fraction faster than the step now (the cost model's
+        #: accuracy: a smaller predicted gain is as likely a loss, and a move costs steps)
+        min_gain: float = Field(0.1, ge=0.0, lt=1.0)
         #: whether a data-share split may be chosen at all (needs data-parallel replicas)
         allow_shares: bool = True
         #: after a change, a measured step above the model's prediction by more than this factor (for `patience`
@@ -84,6 +88,12 @@ class ReplanPolicy(Policy):
         #: a device measured slow is measured again (recovered or slower) only while it carries at least this
         #: fraction of the work (its layers' profiled time) it was slow under
         confirm_load: float = Field(0.5, ge=0.0, le=1.0)
+        #: the calm steps' median ratio to the cost model's step within this fraction of 1 is taken for the model's
+        #: accuracy and the machine's drift, and the profile's seconds are used as they are; beyond it (a profile
+        #: of another device, a predicted one, work the model leaves out) the ratio calibrates the model
+        calib_band: float = Field(0.25, ge=0.0)
+        #: the latest calm agreement steps that ratio is the median of
+        calib_window: int = Field(32, ge=1)
         #: override pdv.placement's cluster YAML / profile JSON
         cluster: Optional[str] = None
         profile: Optional[str] = None
@@ -98,8 +108,10 @@ class ReplanPolicy(Policy):
         self.seen = 0
         self.streak = 0
         self.throughputs: Optional[List[float]] = None  # the cluster model's, as measured so far
-        #: measured step time / the cost model's step time while the model held (its seconds -> the run's)
+        #: measured step time / the cost model's step time while the model held (its seconds -> the run's):
+        #: 1 within `calib_band`, else the median of `calm_ratios`
         self.step_calib: Optional[float] = None
+        self.calm_ratios: List[float] = []
         #: device -> the work per micro-batch (profile seconds) it carried when measured slow
         self.slow_load: Dict[int, float] = {}
         #: smoothed measured step time (this run's seconds) since the last change
@@ -214,8 +226,8 @@ class ReplanPolicy(Policy):
                 # while the cluster is as described: how this run's whole step relates to the cost model's
                 # (the profile's device is not these devices, and the model leaves some per-step work out)
                 if step_time > 0:
-                    ratio = step_time / model_step
-                    self.step_calib = ratio if self.step_calib is None else a * self.step_calib + (1 - a) * ratio
+                    self.calm_ratios = (self.calm_ratios + [step_time / model_step])[-self.options.calib_window:]
+                    self.step_calib = self._calibration()
                 return []
             # a device is modelled slow: does the model explain the measured step? (a slow device costs more
             # than its compute where its communication and optimizer step slow down too)
@@ -251,6 +263,14 @@ class ReplanPolicy(Policy):
         if slower and self.step_calib is not None and self.step_ema is not None:
             self._fit_step(slower, shares)  # how slow the newly slow devices are as the step sees them
         return self._choose(metrics, measured, self.step_calib or calib, before)
+
+    def _calibration(self) -> float:
+        """The cost model's seconds -> this run's, from the calm steps: their median ratio, or 1 within
+        `calib_band` of 1. A short calm stretch on a machine whose speed wanders (the emulated cluster's drifts
+        10-20% over a minute with nothing changed) would carry its passing state into every later prediction;
+        the profile, measured on these devices, is the steadier guess unless the run says it is far off."""
+        med = statistics.median(self.calm_ratios)
+        return 1.0 if abs(math.log(med)) <= math.log1p(self.options.calib_band) else med
 
     def _model_step(self, throughputs: List[float], shares: List[int]) -> float:
         """The cost model's step time (its seconds) for the plan in force with these (effective) throughputs
@@ -345,7 +365,7 @@ class ReplanPolicy(Policy):
         saving = (now - after) * max(remaining, 0)
         slow = [f"{self.cluster.devices[r].name} {m / t:.2f}x" for r, (m, t)
                 in enumerate(zip(self._effective(measured), before)) if m != t]
-        record = {"step": step, "predicted_before": now, "predicted_after": after, "saving": saving,
+        record = {"step": step, "predicted_before": now, "predicted_after": after, "saving": saving, "calib": calib,
                   "move_cost": cost, "throughputs": self._effective(measured), "remaining_steps": remaining,
                   "stages": depth}
         # the data-share alternative (no move): the best split for the replicas' speeds (the data-share formula),
@@ -353,13 +373,14 @@ class ReplanPolicy(Policy):
         if o.allow_shares and replicas > 1:
             split = best_shares(self._replica_times(cluster, self.plan), total, stages)
             by_shares = self._model_step(self._effective(measured), split) * calib
-            if by_shares <= after * (1.0 + o.shares_margin) and split != list(metrics["data_shares"]):
+            if (by_shares <= after * (1.0 + o.shares_margin) and split != list(metrics["data_shares"])
+                    and by_shares < now * (1.0 - o.min_gain)):
                 record.update(kind="shares", shares=split, stages=stages, predicted_after=by_shares)
                 self.decisions.append(record)
                 self.seen, self.step_ema = 0, None
                 return [SetDataShares(None if len(set(split)) == 1 else tuple(split))]
         same = (new.boundaries == self.plan["boundaries"] and new.rank_mapping == self.plan["rank_mapping"])
-        if same or saving <= cost:
+        if same or saving <= cost or after >= now * (1.0 - o.min_gain):
             if not same:
                 record.update(kind="kept", boundaries=new.boundaries, rank_mapping=new.rank_mapping)
                 self.decisions.append(record)
@@ -378,7 +399,8 @@ class ReplanPolicy(Policy):
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         return {"plan": self.plan, "ratios": self.ratios, "seen": self.seen, "streak": self.streak,
-                "throughputs": self.throughputs, "step_calib": self.step_calib, "decisions": list(self.decisions),
+                "throughputs": self.throughputs, "step_calib": self.step_calib, "calm_ratios": list(self.calm_ratios),
+                "decisions": list(self.decisions),
                 "slow_load": dict(self.slow_load), "step_ema": self.step_ema, "step_factor": dict(self.step_factor),
                 "start_stages": self.start_stages}
 
@@ -387,6 +409,7 @@ class ReplanPolicy(Policy):
         self.seen, self.streak = int(state.get("seen", 0)), int(state.get("streak", 0))
         self.throughputs = state.get("throughputs")
         self.step_calib = state.get("step_calib")
+        self.calm_ratios = [float(x) for x in state.get("calm_ratios") or []]
         self.decisions = list(state.get("decisions", []))
         self.slow_load = {int(r): float(w) for r, w in (state.get("slow_load") or {}).items()}
         self.step_ema = state.get("step_ema")
