@@ -313,11 +313,16 @@ def _saved(workdir: str) -> Dict[str, Any]:
     with open(os.path.join(workdir, "rank0.json"), encoding="utf-8") as f:
         result = json.load(f)
     result["events_log"] = read_events_log(os.path.join(workdir, "events.jsonl"))
+    host = os.path.join(workdir, "host_cpu.json")
+    if os.path.exists(host):  # the host's steal ticks sampled while the run trained (see _run)
+        with open(host, encoding="utf-8") as f:
+            result["host_cpu"] = json.load(f)
     return result
 
 
 def _run(kind: str, sc, spec, events, workdir: str, shares: Optional[List[int]], policy: Optional[dict],
          placement: Optional[dict] = None, reuse: bool = False) -> Dict[str, Any]:
+    from ..emulate.hoststat import StealSampler
     from ..emulate.launcher import Emulation
 
     if reuse:  # the figures again from what the last job of this scenario measured (nothing is run)
@@ -326,7 +331,8 @@ def _run(kind: str, sc, spec, events, workdir: str, shares: Optional[List[int]],
     os.makedirs(workdir, exist_ok=True)
     out = os.path.join(workdir, "rank0.json")
     events_log = os.path.join(workdir, "events.jsonl")
-    for p in (out, events_log):
+    host = os.path.join(workdir, "host_cpu.json")
+    for p in (out, events_log, host):
         if os.path.exists(p):
             os.remove(p)
     args_path = os.path.join(workdir, "args.json")
@@ -339,7 +345,10 @@ def _run(kind: str, sc, spec, events, workdir: str, shares: Optional[List[int]],
         f"{', plan ' + placement['plan'] if placement and placement.get('plan') else ''})")
     emu = Emulation(spec, cmd, timeout=sc.run.timeout, out=sys.stderr.buffer, events=events, events_log=events_log,
                     events_clock="mark")
-    code = emu.run()
+    with StealSampler() as steal:  # what the hypervisor took while it ran: a drift of the emulated speeds
+        code = emu.run()
+    with open(host, "w", encoding="utf-8") as f:
+        json.dump(steal.samples, f)
     if code != 0 or not os.path.exists(out):
         raise RuntimeError(f"the {kind} run failed (exit code {code}); its output is above")
     return _saved(workdir)
@@ -406,26 +415,35 @@ def replan_figures(result: Dict[str, Any], event_steps: List[Optional[int]], win
     `window` steps up to the move (after the last event before it; the step that moved excluded). After: every
     step the new plan ran (up to the next move or event, or the end): the prediction is for the plan's steady
     step, and on the emulated cluster a few steps drift by 10-20% with no change at all (`measured_step_after_
-    first` keeps the median of the first `window` steps after the move, for comparison)."""
+    first` keeps the median of the first `window` steps after the move, for comparison). `host_steal_before`
+    and `_after`: the share of the machine's CPU the hypervisor took during each stretch (None unknown): the
+    emulated devices' speeds drift with it."""
     import statistics
 
+    from ..emulate.hoststat import steal_fraction
+
     out = []
-    dur = result["durations"]
+    dur, ends, host = result["durations"], result["ends"], result.get("host_cpu") or []
+
+    def steal(steps: range):  # the host's steal share while these steps (0-based) ran
+        return steal_fraction(host, ends[steps[0]] - dur[steps[0]], ends[steps[-1]]) if host and len(steps) else None
+
     preds = [p for p in result.get("predictions", []) if p.get("kind") == "replan"]
     changes = sorted({int(m["step"]) for m in result["moves"]} | {e for e in event_steps if e is not None})
     for mv in result["moves"]:
         k = mv["step"]  # 1-based: the step whose end moved the pipeline
         hit = max([e for e in event_steps if e is not None and e <= k] or [1])
         end = min([c for c in changes if c > k] or [len(dur) + 1])  # the next change's step (it ran the old plan)
-        before = dur[max(hit, k - window) - 1:k - 1] or dur[k - 1:k]
-        after = dur[k:end - 1]
+        span = range(max(hit, k - window) - 1, k - 1) or range(k - 1, k)
+        before, after = [dur[i] for i in span], dur[k:end - 1]
         pred = next((p for p in reversed(preds) if p["step"] <= k), None)
         mb, ma = statistics.median(before), (statistics.median(after) if after else None)
         fig = {"step": k, "move_seconds": mv["seconds"], "bytes_moved": mv["bytes_moved"],
                "move_in_steps": mv["seconds"] / mb, "measured_step_before": mb, "measured_step_after": ma,
                "steps_after": len(after),
                "measured_step_after_first": statistics.median(after[:window]) if after else None,
-               "new_plan": mv.get("new_plan")}
+               "new_plan": mv.get("new_plan"),
+               "host_steal_before": steal(span), "host_steal_after": steal(range(k, end - 1))}
         if pred is not None:
             fig.update(predicted_step_before=pred["predicted_before"], predicted_step_after=pred["predicted_after"],
                        calibration=pred.get("calib"))
@@ -435,12 +453,21 @@ def replan_figures(result: Dict[str, Any], event_steps: List[Optional[int]], win
     return out
 
 
+def _run_steal(result: Dict[str, Any]) -> Optional[float]:
+    """The hypervisor's share of the machine's CPU while the run trained (None unknown)."""
+    from ..emulate.hoststat import steal_fraction
+
+    dur, ends = result["durations"], result["ends"]
+    return steal_fraction(result.get("host_cpu") or [], ends[0] - dur[0], ends[-1]) if dur else None
+
+
 def summarize(kind: str, result: Dict[str, Any], every: int) -> Dict[str, Any]:
     applied = [e for e in result["events_log"]]
     hit = event_steps(result, applied)
     s = {"wall_seconds": sum(result["durations"]), "held_out_loss": result["held_out_loss"],
          "samples": result["samples"], "samples_per_s": result["samples"] / sum(result["durations"]),
-         "phases": phases(result, applied), "event_steps": hit}
+         "phases": phases(result, applied), "event_steps": hit,
+         "host_steal": _run_steal(result)}
     if kind == "adaptive":
         s["adaptations"] = adaptation_delays(result, hit, every)
         s["decisions"] = result["decisions"]

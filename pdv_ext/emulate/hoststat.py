@@ -40,3 +40,50 @@ class StealMeter:
             return None
         total = end[1] - self.start[1]
         return (end[0] - self.start[0]) / total if total > 0 else 0.0
+
+
+class StealSampler:
+    """/proc/stat's steal and total ticks sampled every `interval` seconds on a thread, so that the steal share
+    of any stretch of a run (the steps before and after a re-plan, say) can be read afterwards (`fraction`).
+    `samples`: [wall time, steal ticks, all ticks]; empty where the kernel does not report steal time."""
+
+    def __init__(self, interval: float = 0.5, path: str = PROC_STAT):
+        import threading
+
+        self.interval, self.path = interval, path
+        self.samples: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pdv-steal-sampler", daemon=True)
+
+    def _sample(self) -> None:
+        import time
+
+        t = _cpu_ticks(self.path)
+        if t is not None:
+            self.samples.append([time.time(), t[0], t[1]])
+
+    def _loop(self) -> None:
+        self._sample()
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> "StealSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+def steal_fraction(samples, start: float, end: float) -> Optional[float]:
+    """Steal share of all ticks from the last sample at or before `start` to the first at or after `end`
+    (`StealSampler.samples`); None when the samples do not cover that stretch."""
+    before = [s for s in samples if s[0] <= start]
+    after = [s for s in samples if s[0] >= end]
+    if not before or not after:
+        return None
+    a, b = before[-1], after[0]
+    total = b[2] - a[2]
+    return (b[1] - a[1]) / total if total > 0 else 0.0

@@ -96,6 +96,14 @@ def test_a_move_is_reported_with_its_cost_and_predictions():
     assert fig["measured_step_before"] == 2.0 and fig["measured_step_after"] == 1.0
     assert fig["move_in_steps"] == 0.25 and fig["prediction_error_after"] == pytest.approx(0.1)
     assert fig["steps_after"] == 4
+    assert fig["host_steal_before"] is None and fig["host_steal_after"] is None  # no samples: unknown
+    # the host's steal ticks sampled while it ran: its share during the steps before (3-5: t 102-105) and
+    # after the move (7-10: t 106-110), and over the run
+    res["host_cpu"] = [[100.0, 0, 0], [102.0, 0, 100], [105.0, 30, 400], [106.0, 30, 500], [110.0, 130, 900]]
+    fig = adapt.replan_figures(res, [4])[0]
+    assert fig["host_steal_before"] == pytest.approx(0.1) and fig["host_steal_after"] == pytest.approx(0.25)
+    res["events_log"] = []
+    assert adapt.summarize("adaptive", res, every=2)["host_steal"] == pytest.approx(130 / 900)
 
 
 def test_the_step_after_a_move_is_every_step_its_plan_ran():
