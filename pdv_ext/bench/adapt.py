@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional
 from pydantic import Field, ValidationError
 
 from ..config_base import ConfigError, StrictModel, format_errors
+from ..emulate.hoststat import StealSampler, steal_fraction
 from .common import emit, log, parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -322,7 +323,6 @@ def _saved(workdir: str) -> Dict[str, Any]:
 
 def _run(kind: str, sc, spec, events, workdir: str, shares: Optional[List[int]], policy: Optional[dict],
          placement: Optional[dict] = None, reuse: bool = False) -> Dict[str, Any]:
-    from ..emulate.hoststat import StealSampler
     from ..emulate.launcher import Emulation
 
     if reuse:  # the figures again from what the last job of this scenario measured (nothing is run)
@@ -420,14 +420,8 @@ def replan_figures(result: Dict[str, Any], event_steps: List[Optional[int]], win
     emulated devices' speeds drift with it."""
     import statistics
 
-    from ..emulate.hoststat import steal_fraction
-
     out = []
-    dur, ends, host = result["durations"], result["ends"], result.get("host_cpu") or []
-
-    def steal(steps: range):  # the host's steal share while these steps (0-based) ran
-        return steal_fraction(host, ends[steps[0]] - dur[steps[0]], ends[steps[-1]]) if host and len(steps) else None
-
+    dur = result["durations"]
     preds = [p for p in result.get("predictions", []) if p.get("kind") == "replan"]
     changes = sorted({int(m["step"]) for m in result["moves"]} | {e for e in event_steps if e is not None})
     for mv in result["moves"]:
@@ -443,7 +437,7 @@ def replan_figures(result: Dict[str, Any], event_steps: List[Optional[int]], win
                "steps_after": len(after),
                "measured_step_after_first": statistics.median(after[:window]) if after else None,
                "new_plan": mv.get("new_plan"),
-               "host_steal_before": steal(span), "host_steal_after": steal(range(k, end - 1))}
+               "host_steal_before": _steal(result, span), "host_steal_after": _steal(result, range(k, end - 1))}
         if pred is not None:
             fig.update(predicted_step_before=pred["predicted_before"], predicted_step_after=pred["predicted_after"],
                        calibration=pred.get("calib"))
@@ -453,12 +447,10 @@ def replan_figures(result: Dict[str, Any], event_steps: List[Optional[int]], win
     return out
 
 
-def _run_steal(result: Dict[str, Any]) -> Optional[float]:
-    """The hypervisor's share of the machine's CPU while the run trained (None unknown)."""
-    from ..emulate.hoststat import steal_fraction
-
-    dur, ends = result["durations"], result["ends"]
-    return steal_fraction(result.get("host_cpu") or [], ends[0] - dur[0], ends[-1]) if dur else None
+def _steal(result: Dict[str, Any], steps: range) -> Optional[float]:
+    """The hypervisor's share of the machine's CPU while these steps (0-based) ran (None unknown)."""
+    host, dur, ends = result.get("host_cpu"), result["durations"], result["ends"]
+    return steal_fraction(host, ends[steps[0]] - dur[steps[0]], ends[steps[-1]]) if host and len(steps) else None
 
 
 def summarize(kind: str, result: Dict[str, Any], every: int) -> Dict[str, Any]:
@@ -467,7 +459,7 @@ def summarize(kind: str, result: Dict[str, Any], every: int) -> Dict[str, Any]:
     s = {"wall_seconds": sum(result["durations"]), "held_out_loss": result["held_out_loss"],
          "samples": result["samples"], "samples_per_s": result["samples"] / sum(result["durations"]),
          "phases": phases(result, applied), "event_steps": hit,
-         "host_steal": _run_steal(result)}
+         "host_steal": _steal(result, range(len(result["durations"])))}
     if kind == "adaptive":
         s["adaptations"] = adaptation_delays(result, hit, every)
         s["decisions"] = result["decisions"]

@@ -26,6 +26,12 @@ def _cpu_ticks(path: str = PROC_STAT) -> Optional[Tuple[int, int]]:
     return (ticks[7] if len(ticks) > 7 else 0), sum(ticks)
 
 
+def _steal_share(start: Tuple[int, int], end: Tuple[int, int]) -> float:
+    """Steal share of all ticks between two (steal ticks, all ticks) readings."""
+    total = end[1] - start[1]
+    return (end[0] - start[0]) / total if total > 0 else 0.0
+
+
 class StealMeter:
     """Steal share of all CPU ticks (busy and idle, all cores) between `__init__` and `fraction()`."""
 
@@ -38,8 +44,7 @@ class StealMeter:
         end = _cpu_ticks(self.path)
         if self.start is None or end is None:
             return None
-        total = end[1] - self.start[1]
-        return (end[0] - self.start[0]) / total if total > 0 else 0.0
+        return _steal_share(self.start, end)
 
 
 class StealSampler:
@@ -84,6 +89,4 @@ def steal_fraction(samples, start: float, end: float) -> Optional[float]:
     after = [s for s in samples if s[0] >= end]
     if not before or not after:
         return None
-    a, b = before[-1], after[0]
-    total = b[2] - a[2]
-    return (b[1] - a[1]) / total if total > 0 else 0.0
+    return _steal_share(before[-1][1:], after[0][1:])

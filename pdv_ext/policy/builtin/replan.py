@@ -108,9 +108,7 @@ class ReplanPolicy(Policy):
         self.seen = 0
         self.streak = 0
         self.throughputs: Optional[List[float]] = None  # the cluster model's, as measured so far
-        #: measured step time / the cost model's step time while the model held (its seconds -> the run's):
-        #: 1 within `calib_band`, else the median of `calm_ratios`
-        self.step_calib: Optional[float] = None
+        #: measured step time / the cost model's step time while the model held (the latest `calib_window`)
         self.calm_ratios: List[float] = []
         #: device -> the work per micro-batch (profile seconds) it carried when measured slow
         self.slow_load: Dict[int, float] = {}
@@ -227,7 +225,6 @@ class ReplanPolicy(Policy):
                 # (the profile's device is not these devices, and the model leaves some per-step work out)
                 if step_time > 0:
                     self.calm_ratios = (self.calm_ratios + [step_time / model_step])[-self.options.calib_window:]
-                    self.step_calib = self._calibration()
                 return []
             # a device is modelled slow: does the model explain the measured step? (a slow device costs more
             # than its compute where its communication and optimizer step slow down too)
@@ -264,11 +261,15 @@ class ReplanPolicy(Policy):
             self._fit_step(slower, shares)  # how slow the newly slow devices are as the step sees them
         return self._choose(metrics, measured, self.step_calib or calib, before)
 
-    def _calibration(self) -> float:
-        """The cost model's seconds -> this run's, from the calm steps: their median ratio, or 1 within
-        `calib_band` of 1. A short calm stretch on a machine whose speed wanders (the emulated cluster's drifts
-        10-20% over a minute with nothing changed) would carry its passing state into every later prediction;
-        the profile, measured on these devices, is the steadier guess unless the run says it is far off."""
+    @property
+    def step_calib(self) -> Optional[float]:
+        """The cost model's seconds -> this run's, from the calm steps (None before any): their median ratio,
+        or 1 within `calib_band` of 1. A short calm stretch on a machine whose speed wanders (the emulated
+        cluster's drifts 10-20% over a minute with nothing changed) would carry its passing state into every
+        later prediction; the profile, measured on these devices, is the steadier guess unless the run says it
+        is far off."""
+        if not self.calm_ratios:
+            return None
         med = statistics.median(self.calm_ratios)
         return 1.0 if abs(math.log(med)) <= math.log1p(self.options.calib_band) else med
 
@@ -399,7 +400,7 @@ class ReplanPolicy(Policy):
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         return {"plan": self.plan, "ratios": self.ratios, "seen": self.seen, "streak": self.streak,
-                "throughputs": self.throughputs, "step_calib": self.step_calib, "calm_ratios": list(self.calm_ratios),
+                "throughputs": self.throughputs, "calm_ratios": list(self.calm_ratios),
                 "decisions": list(self.decisions),
                 "slow_load": dict(self.slow_load), "step_ema": self.step_ema, "step_factor": dict(self.step_factor),
                 "start_stages": self.start_stages}
@@ -408,8 +409,9 @@ class ReplanPolicy(Policy):
         self.plan, self.ratios = state.get("plan"), state.get("ratios")
         self.seen, self.streak = int(state.get("seen", 0)), int(state.get("streak", 0))
         self.throughputs = state.get("throughputs")
-        self.step_calib = state.get("step_calib")
-        self.calm_ratios = [float(x) for x in state.get("calm_ratios") or []]
+        # a state saved before the ratios were kept has only their smoothed value
+        old = [state["step_calib"]] if state.get("step_calib") else []
+        self.calm_ratios = [float(x) for x in state.get("calm_ratios") or old]
         self.decisions = list(state.get("decisions", []))
         self.slow_load = {int(r): float(w) for r, w in (state.get("slow_load") or {}).items()}
         self.step_ema = state.get("step_ema")
