@@ -12,7 +12,7 @@ Each step:
 Every `sync_every` steps an exact all-reduce moves every replica to the group's average cumulative update
 (sent + still buffered), so replicas differ only between syncs. `report["consensus_distance"]` is the RMS
 distance of the replicas' cumulative updates from their average, estimated from a 64-bucket count sketch
-(one all-reduce of 65 floats).
+summed in float64 (one all-gather of 64 float64 per rank; the same number on every device).
 
 Data shares ("weight"): with unequal per-rank sample counts a rank's gradient enters multiplied by m x its
 share of the step's samples. Mixing and the exact syncs keep the group's average, so the replicas' average
@@ -48,6 +48,9 @@ from .groups import SmallGroups
 from .robust import exact, flat_dtype, flatten_as, write_back
 
 SKETCH = 64
+#: rows of 64 entries summed per float64 chunk of the sketch (CPU: a cache-sized chunk; a device: few launches)
+SKETCH_ROWS_CPU = 4096
+SKETCH_ROWS_DEVICE = 1 << 16
 
 
 def peer_graph(size: int, peers: int, seed: int, step: int) -> List[List[int]]:
@@ -177,30 +180,43 @@ class Gossip(SmallGroups, Aggregator):
         goes to bucket j mod 64, and every row of 64 consecutive entries gets one seeded random sign, so
         the sketch is one matrix-vector product over u seen as (n/64, 64). Independent signs per row make
         |sketch|^2 an unbiased estimate of |u|^2 (cross terms within a bucket come from different rows,
-        whose signs are independent); striping spreads every tensor over all buckets. 16 M entries: 8-12
-        ms, where per-entry signs (a product, then a strided column sum) took ~100 ms; 4 bytes of state per
-        64 entries."""
+        whose signs are independent); striping spreads every tensor over all buckets. 4 bytes of state per
+        64 entries.
+
+        Exact enough to be the same number on every device: the sketch is summed in float64 (the +-1
+        products of float32 values are exact, so only float64 rounding remains, ~1e-16 of |u|), in chunks
+        of rows so no float64 copy of u is made; the ranks' sketches are all-gathered (64 float64 each)
+        and the spread is taken about their mean. A float32 sketch carried rounding of ~1e-8 |u| that
+        depends on the device's summation order, and the uncentred E[x^2] - E[x]^2 cancelled: replicas
+        equal up to rounding (after a sync, or with every rank a peer) got a distance that was that
+        rounding, different on CPU and CUDA. 16 M entries on CPU: ~5 ms (a float32 sketch took ~3)."""
         u = self.applied
         n = u.numel()
         if comm.size == 1 or n == 0:
             return 0.0
         rows, full = n // SKETCH, n - n % SKETCH
-        work = u if (u.dtype in (torch.float32, torch.float64) or u.is_cuda) else u.float()
         sign = self._sketch["sign"] if self._sketch is not None and self._sketch["n"] == n else None
-        if sign is None or sign.dtype != work.dtype or sign.device != work.device:
+        if sign is None or sign.device != u.device:
             gen = torch.Generator().manual_seed(12345)
             # drawn on the host (the same signs whatever the device), uploaded without a stream sync
-            sign = torch.randint(0, 2, (rows + 1,), generator=gen).to(work.dtype).mul_(2).sub_(1)
-            sign = sign.to(work.device, non_blocking=True)
+            sign = torch.randint(0, 2, (rows + 1,), generator=gen).to(torch.float64).mul_(2).sub_(1)
+            sign = sign.to(u.device, non_blocking=True)
             self._sketch = {"sign": sign, "n": n}
-        sk = torch.zeros(SKETCH + 1, dtype=torch.float64, device=u.device)
+        m, me = comm.size, comm.rank
+        sk = torch.zeros(m, SKETCH, dtype=torch.float64, device=u.device)
+        mine = sk[me]
         if rows:
-            sk[:SKETCH] = torch.mv(work[:full].view(rows, SKETCH).t(), sign[:rows]).double()
-        sk[: n - full] += work[full:].double() * sign[rows].double()  # the ragged last row
-        sk[SKETCH] = sk[:SKETCH].pow(2).sum()
-        comm.all_reduce(sk, "sum")  # on the device: the host sees only the final number
-        m = comm.size
-        var = (sk[SKETCH] / m - sk[:SKETCH].div(m).pow(2).sum()).clamp(min=0.0).sqrt()
+            step = SKETCH_ROWS_CPU if u.device.type == "cpu" else SKETCH_ROWS_DEVICE
+            view = u[:full].view(rows, SKETCH)
+            buf = torch.empty(min(step, rows), SKETCH, dtype=torch.float64, device=u.device)
+            for r0 in range(0, rows, step):  # a fixed order of chunks: float64 copies a chunk at a time
+                part = view[r0:r0 + step]
+                chunk = buf[: part.shape[0]]
+                chunk.copy_(part)
+                mine.addmv_(chunk.t(), sign[r0:r0 + part.shape[0]])
+        mine[: n - full] += u[full:].double() * sign[rows]  # the ragged last row
+        comm.all_gather_into(sk)  # on the device: the host sees only the final number
+        var = (sk - sk.sum(0).div_(exact(m, sk))).pow_(2).sum().div_(exact(m, sk)).sqrt()
         return float(var)  # the call's one host sync
 
     def state_dict(self) -> Dict[str, Any]:

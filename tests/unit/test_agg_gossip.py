@@ -113,3 +113,53 @@ def test_state_dict_resumes_identically_and_set_peers():
     for ref, got, peers in run_threads(m, fn):
         assert all(torch.equal(x, y) for x, y in zip(ref, got))
         assert len(peers) == 3
+
+
+def _exact_sketch_distance(applied):
+    """The consensus distance of the sketch's definition (row signs from seed 12345, entry j in bucket
+    j mod 64), every sum exact (math.fsum) and the spread taken about the ranks' mean sketch."""
+    import math
+
+    from pdv_ext.aggregation.gossip import SKETCH
+
+    n = applied[0].numel()
+    rows = n // SKETCH
+    sign = (torch.randint(0, 2, (rows + 1,), generator=torch.Generator().manual_seed(12345)) * 2 - 1).tolist()
+    sketches = []
+    for u in applied:
+        v = u.double().tolist()
+        sketches.append([math.fsum(sign[j // SKETCH] * v[j] for j in range(b, n, SKETCH)) for b in range(SKETCH)])
+    m = len(applied)
+    mean = [math.fsum(x[b] for x in sketches) / m for b in range(SKETCH)]
+    return math.sqrt(math.fsum((x[b] - mean[b]) ** 2 for x in sketches for b in range(SKETCH)) / m)
+
+
+@pytest.mark.parametrize("spec,m", [({"peers": 2, "ratio": 0.05}, 3),  # every rank a peer: equal to rounding
+                                    ({"peers": 1, "ratio": 1.0, "sync_every": 2}, 3),  # step 1: just synced
+                                    ({"peers": 1, "ratio": 0.1}, 4)])  # replicas apart
+def test_consensus_distance_is_the_exact_sketch_whatever_the_summation_order(spec, m, monkeypatch):
+    """GPU tier issue #39: replicas equal up to rounding reported a distance that was the float32 sketch's
+    own rounding (device-dependent: CPU and CUDA swapped values like 3.65e-08 / 4.21e-08). The estimate
+    must be the sketch's exact value (to float64 rounding), whatever the chunking of its sum."""
+    from pdv_ext.aggregation import gossip as gossip_mod
+    from tests.gpu.test_aggregators_gpu import grads
+
+    def run(rows_per_chunk):
+        monkeypatch.setattr(gossip_mod, "SKETCH_ROWS_CPU", rows_per_chunk, raising=False)
+
+        def fn(comm):
+            agg = build_aggregator({"type": "gossip", **spec})
+            out = []
+            for s in range(3):
+                agg(grads(comm.rank, s, torch.float32, "cpu", byzantine=m - 1), comm)
+                out.append((agg.applied.clone(), agg.report["consensus_distance"]))
+            return out
+
+        return run_threads(m, fn)
+
+    for rows_per_chunk in (4096, 5):  # one chunk, or ten in another order of additions
+        res = run(rows_per_chunk)
+        for s in range(3):
+            want = _exact_sketch_distance([res[r][s][0] for r in range(m)])
+            for r in range(m):
+                assert res[r][s][1] == pytest.approx(want, rel=1e-9, abs=1e-300), (rows_per_chunk, s, r)
