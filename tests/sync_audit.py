@@ -9,7 +9,11 @@ It records, with the caller's file:line,
 - `syncs`: what synchronises on CUDA when its input is on the device: a host read (`item`, `tolist`,
   `bool()`, `float()`, `int()`, `numpy`), an output whose size depends on the values (`nonzero`,
   `masked_select`, `unique`, boolean-mask indexing, `repeat_interleave` without `output_size`), `equal` /
-  `allclose`, a device-to-host copy (`.cpu()`, `.to("cpu")`, `host.copy_(device)`);
+  `allclose`, a device-to-host copy (`.cpu()`, `.to("cpu")`, `host.copy_(device)`), a blocking
+  host-to-device copy (`host.to(device)`, `host.cuda()`, `device.copy_(host)` without `non_blocking`), and a
+  host value written into the device where torch copies it over and waits: a Python number or host tensor
+  at tensor (or list) indices (`acc[idx] = 0`: index_put_ moves the 0 to the device), into a single element
+  (`t[3] = 1.0`), or a host tensor of several elements (`index_put_` with host values likewise);
 - `mixes`: an op mixing device tensors with host tensors of more than one element (CUDA raises "Expected all
   tensors to be on the same device" there; copies and index arguments excepted).
 
@@ -75,6 +79,8 @@ class SyncAudit(TorchFunctionMode):
                 self.reg.note("mixes", name)
         if name == "copy_" and len(args) >= 2 and not self.reg.has(args[0]) and self.reg.has(args[1]):
             self.reg.note("syncs", "copy_ (device to host)")
+        if self._host_to_device(name, args, kwargs):
+            self.reg.note("syncs", f"{name} (host to device, blocking)")
         out = func(*args, **kwargs)
         if name == "cpu" or (name == "to" and self._to_host_literal(args, kwargs)):
             if on_dev:
@@ -95,6 +101,46 @@ class SyncAudit(TorchFunctionMode):
         elif name in ("__getitem__", "__setitem__", "index_put_", "index_put") and any(
                 t.dtype == torch.bool for t in _tensors(args[1:2])):
             self.reg.note("syncs", f"{name} (boolean mask)")
+        elif name == "__setitem__" and len(args) >= 3 and self.reg.has(args[0]):
+            self._check_setitem(args[0], args[1], args[2])
+        elif name in ("index_put_", "index_put") and self.reg.has(args[0]):
+            values = args[2] if len(args) > 2 else kwargs.get("values")
+            if isinstance(values, torch.Tensor) and not self.reg.has(values):
+                self.reg.note("syncs", f"{name} (host values: a blocking host-to-device copy)")
+
+    def _check_setitem(self, dst: torch.Tensor, index: Any, value: Any) -> None:
+        """`dst[index] = value` on the device with a value from the host - a Python number or a host tensor -
+        synchronises on CUDA where torch copies that value to the device with a blocking copy: at tensor (or
+        list) indices (index_put_ moves the value over: `acc[idx] = 0`) and into a single element (a 0-dim
+        destination takes `copy_` of the host scalar). A slice of several elements takes `fill_` (free)."""
+        if isinstance(value, torch.Tensor) and self.reg.has(value):
+            return
+        host_tensor = isinstance(value, torch.Tensor)
+        if not (host_tensor or isinstance(value, (bool, int, float, complex))):
+            return
+        parts = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(p, (torch.Tensor, list)) for p in parts):
+            self.reg.note("syncs", "__setitem__ (a host value at tensor indices: a blocking host-to-device copy)")
+            return
+        with torch._C.DisableTorchFunction():
+            one = dst[index].dim() == 0
+        if one or (host_tensor and value.numel() > 1):
+            self.reg.note("syncs", "__setitem__ (a host value into the device: a blocking host-to-device copy)")
+
+    def _host_to_device(self, name, args, kwargs) -> bool:
+        """Whether this call copies a host tensor to the device without non_blocking (`host.to(device)`,
+        `host.cuda()`, `device.copy_(host)`): from pageable memory that is a copy and a stream sync."""
+        if name not in ("to", "cuda", "copy_") or not args or not isinstance(args[0], torch.Tensor):
+            return False
+        if kwargs.get("non_blocking") or (len(args) > 2 and args[2] is True):
+            return False
+        if name == "copy_":
+            return len(args) > 1 and self.reg.has(args[0]) and isinstance(args[1], torch.Tensor) and \
+                not self.reg.has(args[1])
+        if self.reg.has(args[0]):
+            return False
+        return name == "cuda" or any(isinstance(a, torch.device) and not _is_host(a)
+                                     for a in list(args[1:]) + [kwargs.get("device")])
 
     @staticmethod
     def _to_host_literal(args, kwargs) -> bool:

@@ -2,8 +2,9 @@
 and the implementation for devices and dtypes neither covers.
 
 Device-friendly: results stay on the inputs' device and nothing reads a device value back to the host
-(no `.item()`, `.tolist()`, Python-scalar writes or data-dependent shapes), so on a GPU without Triton a
-call is a queue of kernel launches, not a host synchronisation per tensor. Arguments are assumed checked
+(no `.item()`, `.tolist()`, Python-scalar writes - `t[idx] = 0` is a blocking copy of the 0 - or
+data-dependent shapes), so on a GPU without Triton a call is a queue of kernel launches, not a host
+synchronisation per tensor (`tests/unit/test_host_sync_audit.py` audits every op on CPU). Arguments are assumed checked
 (`pdv_ext.kernels` validates them); any layout works, since every op reads through reshape/copy_.
 """
 from __future__ import annotations
@@ -87,8 +88,8 @@ def topk_error_feedback(update: torch.Tensor, residual: torch.Tensor, k: int) ->
         above, tie = key > thr, key == thr
         take = above | (tie & (tie.cumsum(0) <= k - above.sum()))
         idx = compact(take, k)
-    vals = acc[idx]
-    acc[idx] = 0
+    vals = acc.index_select(0, idx)
+    acc.index_fill_(0, idx, 0)  # not `acc[idx] = 0`: on CUDA that copies the 0 to the device and waits
     residual.copy_(acc.view(residual.shape))
     return idx, vals
 

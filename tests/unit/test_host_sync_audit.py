@@ -29,7 +29,8 @@ def audit(name, m, dtype, steps=STEPS, poison=None):
     def fn(comm):
         agg = build_aggregator(dict(SPECS[name]))
         if name == "zeno":
-            agg.set_validation_grads(valid)
+            with reg.mode():  # its flat copy of the device gradients is on the device as well
+                agg.set_validation_grads(valid)
         for s in range(steps):
             with reg.mode():
                 agg(inputs[comm.rank][s], comm)
@@ -120,3 +121,55 @@ def test_the_healthy_check_of_fp16_gradients_is_one_read():
 
     assert sums_finite([torch.full((1000,), 300.0, dtype=torch.float16)])
     assert not sums_finite([torch.tensor([1.0, float("nan")], dtype=torch.float16)])
+
+
+def test_the_audit_sees_host_values_written_into_the_device():
+    """What the GPU tier of 2026-11-26 found and this audit missed: `acc[idx] = 0` (kernels/reference.py)
+    copies the 0 to the device and waits. A host value at tensor indices, into one element, or a blocking
+    host-to-device copy is a sync; a slice fill, index_fill_ and a non_blocking upload are not."""
+    reg = DeviceRegistry()
+    dev = torch.zeros(8)
+    idx = torch.tensor([1, 3])
+    reg.mark([dev, idx])
+    with reg.mode():
+        dev[idx] = 0
+        dev[idx] = torch.ones(2)  # host tensor values at tensor indices
+        dev[[0, 2]] = 1.0  # a list index becomes tensor indices
+        dev[3] = 1.0  # one element: copy_ of a host scalar
+        host = torch.ones(8)
+        dev.copy_(host)
+        host.to(dev.device)
+        # free on CUDA:
+        dev[1:3] = 0  # fill_
+        dev.index_fill_(0, idx, 0)
+        dev[idx] = dev[idx] * 2  # device values
+        host.to(dev.device, non_blocking=True)
+        dev.copy_(host, non_blocking=True)
+    assert len(reg.syncs) == 6, reg.syncs
+    assert all(s.startswith("__setitem__") for s in reg.syncs[:4]), reg.syncs
+    assert reg.syncs[4].startswith("copy_ (host to device") and reg.syncs[5].startswith("to (host to device"), reg.syncs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_reference_kernels_make_no_host_sync(dtype):
+    """Every op of the torch reference (what CUDA runs without Triton, PDV_KERNELS=torch, and top-k with
+    k = n under Triton) only queues work: no sync in any call, top-k's general and k = n paths included."""
+    from pdv_ext.kernels import reference as R
+
+    g = torch.Generator().manual_seed(0)
+    reg = DeviceRegistry()
+    a = [torch.randn(s, generator=g).to(dtype) for s in (5, 64, 300)]
+    b = [torch.randn(s, generator=g).to(dtype) for s in (5, 64, 300)]
+    u, r = torch.randn(1000, generator=g).to(dtype), torch.zeros(1000, dtype=dtype)
+    stack = torch.randn(5, 200, generator=g).to(dtype)
+    coef = torch.full((3,), 0.5, dtype=torch.float64)
+    reg.mark([a, b, u, r, stack, coef])
+    with reg.mode():
+        R.adasum_dots(a, b)
+        R.adasum_combine(a, b, coef, coef, out=a)
+        for k in (1, 100, 999, 1000):
+            R.topk_error_feedback(u, r, k)
+        R.coordinate_median(stack), R.coordinate_median(stack[:4])
+        for trim in (0, 1, 2):
+            R.trimmed_mean(stack, trim)
+    assert reg.syncs == [] and reg.mixes == [], (reg.syncs, reg.mixes)
