@@ -172,15 +172,52 @@ def find_section(data: Dict[str, Any]) -> Tuple[Any, Dict[str, Any], List[str]]:
     return {}, dict(data), errors
 
 
+#: the keys of `pdv.placement` that name files: in a config file, a relative path is read from the file's folder
+PATH_KEYS = ("cluster", "plan", "profile")
+
+
+def resolve_paths(cfg: PDVConfig, config_path: Union[str, os.PathLike], prefix: str = "pdv") -> List[str]:
+    """Make the relative file paths of `cfg` (`pdv.placement.cluster`, `.plan`, `.profile`) absolute, read
+    from the folder of the config file `config_path` (as a compiler reads an include), so that a config
+    works from any working directory. Output folders (`pdv.policy.monitor.output_dir`) and `"module:Class"`
+    plugin names are not paths of the config and stay as they are. Returns error lines for an input file
+    (cluster, plan) that is not in the config's folder but is relative to the working directory: the old
+    reading, named so that the fix is one edit."""
+    base = os.path.dirname(os.path.abspath(os.fspath(config_path)))
+    errors: List[str] = []
+    pl = cfg.placement
+    for key in PATH_KEYS:
+        value = getattr(pl, key)
+        if not value:
+            continue
+        given = os.path.expanduser(value)
+        if os.path.isabs(given):
+            if given != value:
+                setattr(pl, key, given)
+            continue
+        resolved = os.path.normpath(os.path.join(base, given))
+        if key != "profile" and not os.path.exists(resolved) and os.path.exists(given):
+            errors.append(f"{prefix}.placement.{key}: '{value}' is read from the config file's folder ({base}), where "
+                          f"it does not exist; it exists relative to the working directory: write "
+                          f"'{os.path.relpath(os.path.abspath(given), base)}' (relative to the config) or an absolute "
+                          "path")
+        setattr(pl, key, resolved)
+    return errors
+
+
 def split_config(config: Union[None, str, os.PathLike, Dict[str, Any]]) -> Tuple[Dict[str, Any], PDVConfig]:
     """DeepSpeed config (path or dict) -> (DeepSpeed dict without `"pdv"`, validated PDVConfig).
 
     Raises ConfigError with every problem at once. A file holding only the pdv section (Horovod users'
-    YAML) may also put it at top level (see `find_section`).
+    YAML) may also put it at top level (see `find_section`). For a file, the relative paths of the files
+    it names are read from the file's folder (`resolve_paths`); for a dict, from the working directory.
     """
-    data = read_file(config) if isinstance(config, (str, os.PathLike)) else dict(config or {})
+    from_file = isinstance(config, (str, os.PathLike))
+    data = read_file(config) if from_file else dict(config or {})
     section, data, errors = find_section(data)
     cfg, more = validate_pdv(section)
+    if cfg is not None and from_file and not errors and not more:
+        more = resolve_paths(cfg, config)  # type: ignore[arg-type]
     if errors or more:
         raise ConfigError(errors + more)
     assert cfg is not None
@@ -232,6 +269,49 @@ def topology_errors(section: Any, world_size: int, stages: Optional[int] = None,
     return errors + errs
 
 
+def global_micro_batches(ds_config: Dict[str, Any], replicas: int) -> Optional[int]:
+    """Micro-batches in one step's global batch for `replicas` data-parallel replicas, from a DeepSpeed
+    config's batch keys as DeepSpeed derives them (`train_batch_size` = micro-batch size x gradient
+    accumulation steps x replicas; a missing key follows from the others, gradient accumulation defaults
+    to 1); None when the keys do not fix it."""
+    def whole(key: str) -> Optional[int]:
+        v = ds_config.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
+
+    batch, micro, gas = whole("train_batch_size"), whole("train_micro_batch_size_per_gpu"), \
+        whole("gradient_accumulation_steps")
+    if gas is not None:
+        return gas * replicas
+    if batch is not None and micro is not None:
+        return batch // micro if batch % micro == 0 else None
+    if batch is not None or micro is not None:
+        return replicas  # one micro-batch per replica and step
+    return None
+
+
+def data_share_errors(section: Dict[str, Any], ds_config: Dict[str, Any], world_size: Optional[int] = None,
+                      stages: Optional[int] = None, prefix: str = "pdv") -> List[str]:
+    """A `data_shares` list that does not add up to the step's micro-batches (the launch refuses it, after
+    the process group started): one replica per value, so the global batch of the DeepSpeed config's batch
+    keys has `global_micro_batches(ds_config, len(shares))` micro-batches. The number of values against the
+    world size is `topology_errors`' check."""
+    shares = section.get("data_shares") if isinstance(section, dict) else None
+    if not isinstance(shares, list) or not shares:
+        return []
+    replicas = len(shares)
+    stages = stages or 1
+    if world_size is not None and world_size % stages == 0 and world_size // stages != replicas:
+        return []  # topology_errors names the count
+    total = global_micro_batches(ds_config, replicas)
+    if total is None or sum(shares) == total:
+        return []
+    keys = ", ".join(f"{k} {ds_config[k]}" for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                                    "gradient_accumulation_steps") if k in ds_config)
+    return [f"{prefix}.data_shares: {shares} add up to {sum(shares)} micro-batches, but the global batch has {total} "
+            f"({keys} over {replicas} data-parallel replica{'s' if replicas != 1 else ''}); the shares split the "
+            "step's batch, they do not change it"]
+
+
 def check_file(path: str, world_size: Optional[int] = None, stages: Optional[int] = None,
                notes: Optional[List[str]] = None) -> List[str]:
     """Every error of the `"pdv"` section of a config file (empty when valid), including what the launch
@@ -251,8 +331,12 @@ def check_file(path: str, world_size: Optional[int] = None, stages: Optional[int
     errors = errors + more
     planned = None
     if cfg is not None and not errors:
+        errors += resolve_paths(cfg, path)
+    if cfg is not None and not errors:
         more, planned = placement_errors(cfg.placement, world_size, stages, notes)
         errors += more
+    if cfg is not None and not errors:
+        errors += data_share_errors(section, data if "pdv" in data else {}, world_size, stages or planned)
     if world_size is not None and not errors:
         errors += topology_errors(section, world_size, stages if stages is not None else planned, notes=notes)
     return errors

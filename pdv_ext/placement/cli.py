@@ -160,19 +160,82 @@ def predict_main(argv: Optional[List[str]] = None) -> int:
 # ---------------------------------------------------------------------------------------------------
 # pdv profile
 # ---------------------------------------------------------------------------------------------------
+def _user_model(spec: str, args: argparse.Namespace, ap: argparse.ArgumentParser):
+    """(layers, sample input, loss_fn, labels) of `--model module:function`: the function (called with no
+    arguments) returns the layer list you give `PipelineModule(layers=...)` (LayerSpecs, modules or callables),
+    a built PipelineModule, or a dict {"layers", optionally "input", "labels", "loss_fn"}. Without "input" the
+    micro-batch comes from --input-shape / --input-dtype / --input-high, as `pdv.placement` profiles at start-up."""
+    import torch
+
+    from ..registry import RegistryError, load_object
+
+    try:
+        fn = load_object(spec)
+    except RegistryError as exc:
+        ap.error(f"--model: {exc}")
+    if not callable(fn):
+        ap.error(f"--model: '{spec}' names a {type(fn).__name__}, not a function returning the model's layers")
+    built = fn()
+    sample = labels = loss_fn = None
+    if isinstance(built, dict):
+        if "layers" not in built:
+            ap.error(f"--model: '{spec}' returned a dict without 'layers'")
+        layers, sample, labels, loss_fn = built["layers"], built.get("input"), built.get("labels"), built.get("loss_fn")
+    elif hasattr(built, "_layer_specs"):  # a PipelineModule: every layer, whatever stage this process holds
+        layers, loss_fn = built._layer_specs, getattr(built, "loss_fn", None)
+    elif isinstance(built, (list, tuple)):
+        layers = list(built)
+    else:
+        ap.error(f"--model: '{spec}' returned a {type(built).__name__}; return the list of layers you give "
+                 "PipelineModule(layers=...), a PipelineModule, or a dict with 'layers'")
+    if not layers:
+        ap.error(f"--model: '{spec}' returned no layers")
+    if sample is None:
+        if not args.input_shape:
+            ap.error("--input-shape: needed with --model module:function (the shape of one micro-batch's input, "
+                     "e.g. 8,64), unless the function returns a dict with 'input'")
+        shape = tuple(args.input_shape)
+        sample = (torch.randint(0, args.input_high, shape) if args.input_dtype == "int64" else torch.randn(*shape))
+    if labels is None:
+        loss_fn = None  # no labels to compute it on: the last layer is timed without the loss (as at start-up)
+    return list(layers), sample, loss_fn, labels
+
+
+def _shape(text: str) -> List[int]:
+    try:
+        dims = [int(x) for x in text.replace("x", ",").split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a shape such as 8,64") from None
+    if not dims or any(d < 1 for d in dims):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a shape such as 8,64 (whole numbers >= 1)")
+    return dims
+
+
 def profile_main(argv: Optional[List[str]] = None) -> int:
     import torch
 
     from ..models import gpt_layers, lm_loss, mlp_layers
     from .profile import ProfileMemoryError, profile_layers
 
-    ap = argparse.ArgumentParser(prog="pdv profile", description="profile the layers of a demo model")
-    ap.add_argument("--model", default="gpt", choices=["gpt", "mlp"])
+    ap = argparse.ArgumentParser(
+        prog="pdv profile", description="profile the layers of a model: a demo model (gpt, mlp) or yours "
+        "(--model module:function, the function returning the layer list you give PipelineModule)")
+    ap.add_argument("--model", default="gpt", metavar="gpt|mlp|module:function",
+                    help="gpt or mlp (the demo models), or module:function returning your model's layers (the list "
+                         "given to PipelineModule(layers=...)), a PipelineModule, or a dict with 'layers' and "
+                         "optionally 'input', 'labels', 'loss_fn'; the module is looked up on sys.path, then in the "
+                         "working directory")
     ap.add_argument("--layers", type=int, default=4, help="transformer blocks (gpt) or hidden layers (mlp)")
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=128, help="(gpt, mlp)")
+    ap.add_argument("--heads", type=int, default=4, help="(gpt)")
+    ap.add_argument("--seq-len", type=int, default=64, help="(gpt)")
+    ap.add_argument("--micro-batch", type=int, default=8, help="(gpt, mlp)")
+    ap.add_argument("--input-shape", type=_shape, default=None, metavar="SHAPE",
+                    help="with module:function: one micro-batch's input shape, e.g. 8,64 (pdv.placement.input_shape)")
+    ap.add_argument("--input-dtype", choices=["float32", "int64"], default="float32",
+                    help="with module:function: random normal floats or random integers (pdv.placement.input_dtype)")
+    ap.add_argument("--input-high", type=int, default=256,
+                    help="with module:function and int64: the integers' exclusive upper bound, e.g. the vocabulary")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--engine", action="store_true",
                     help="also measure DeepSpeed's own per-micro-batch / per-step work (one-stage engines, ~30 s)")
@@ -184,12 +247,20 @@ def profile_main(argv: Optional[List[str]] = None) -> int:
                          "blocks, share the median of all their samples: their true costs are equal)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    check_ranges(ap, args, {"--layers": 1, "--hidden": 1, "--heads": 1, "--seq-len": 1, "--micro-batch": 1, "--reps": 1})
+    check_ranges(ap, args, {"--layers": 1, "--hidden": 1, "--heads": 1, "--seq-len": 1, "--micro-batch": 1, "--reps": 1,
+                            "--input-high": 1})
+    user = ":" in args.model
+    if not user and args.model not in ("gpt", "mlp"):
+        from ..registry import did_you_mean
+
+        ap.error(f"--model: '{args.model}' is not gpt, mlp or module:function{did_you_mean(args.model, ['gpt', 'mlp'])}")
     if args.model == "gpt" and args.hidden % args.heads:
         ap.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     check_out(ap, "--out", args.out)
     torch.manual_seed(0)
-    if args.model == "gpt":
+    if user:
+        specs, sample, loss_fn, labels = _user_model(args.model, args, ap)
+    elif args.model == "gpt":
         specs = gpt_layers(args.layers, args.hidden, args.heads, args.seq_len)
         sample, labels = (torch.randint(0, 256, (args.micro_batch, args.seq_len)) for _ in range(2))
         loss_fn = lm_loss
@@ -204,7 +275,8 @@ def profile_main(argv: Optional[List[str]] = None) -> int:
     except ProfileMemoryError as exc:
         print(f"pdv profile: {exc}", file=sys.stderr)
         return 2
-    prof.meta.update({"model": args.model, "layers": args.layers, "hidden": args.hidden})
+    prof.meta.update({"model": args.model} if user else {"model": args.model, "layers": args.layers,
+                                                          "hidden": args.hidden})
     if args.engine:
         from .profile import engine_overhead
 
@@ -213,6 +285,7 @@ def profile_main(argv: Optional[List[str]] = None) -> int:
     total = sum(l.fwd_bwd for l in prof.layers)
     cal = (f" (calibrated to the whole pass: layers alone summed to {prof.meta['layer_sum_seconds'] * 1e3:.2f} ms)"
            if "whole_pass_seconds" in prof.meta else "")
-    print(f"{len(prof)} layers on {prof.device}, fwd+bwd {total * 1e3:.2f} ms per micro-batch of {args.micro_batch}"
+    size = int(sample.shape[0]) if hasattr(sample, "shape") and len(sample.shape) else args.micro_batch
+    print(f"{len(prof)} layers on {prof.device}, fwd+bwd {total * 1e3:.2f} ms per micro-batch of {size}"
           f"{cal}, {sum(l.param_bytes for l in prof.layers) / 2 ** 20:.2f} MiB parameters -> {args.out}")
     return 0

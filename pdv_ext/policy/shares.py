@@ -87,9 +87,9 @@ def static_shares(spec: Any, replicas: int, total: int, stages: int = 1,
     if spec is None or spec == "equal":
         return None
     if spec == "by_throughput":
-        from ..placement.cluster import Cluster
+        from ..placement.startup import load_cluster
 
-        cluster = Cluster.load(cluster_path)
+        cluster = load_cluster(cluster_path)
         ranks = replica_ranks or [[d] for d in range(replicas)]
         if max(r for rs in ranks for r in rs) >= len(cluster):
             raise ConfigError([f"pdv.data_shares: 'by_throughput' needs a device per rank, but {cluster_path} "
