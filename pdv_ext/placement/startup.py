@@ -42,11 +42,19 @@ def load_or_profile(module: Any, pl: Any) -> Profile:
     return prof
 
 
+def load_cluster(path: str, key: str = "pdv.placement.cluster") -> Cluster:
+    """The cluster YAML the config names; its errors prefixed with the key, as `pdv check-config` prints them."""
+    try:
+        return Cluster.load(path)
+    except ConfigError as exc:
+        raise ConfigError([f"{key}: {line}" for line in exc.errors]) from exc
+
+
 def make_plan(module: Any, pl: Any, world_size: int, micro_batches: Optional[int] = None) -> Dict[str, Any]:
     """Rank 0's work: cluster + profile + solver -> plan dict."""
     from .solvers import solve
 
-    cluster = Cluster.load(pl.cluster)
+    cluster = load_cluster(pl.cluster)
     if len(cluster) != world_size:
         raise ConfigError([f"pdv.placement.cluster: '{pl.cluster}' describes {len(cluster)} devices but the job "
                            f"has {world_size} ranks"])

@@ -75,6 +75,7 @@ class PolicyRunner:
         self.base_lrs: Optional[List[float]] = None
         self.lr_scale = 1.0
         self._written: Optional[List[float]] = None
+        self._lr_moved = False  # the LR changed between our writes: a scheduler (or the user) sets it
         self.step = 0
         # rank 0: decided but not yet broadcast (between agreement steps)
         self._queue: List[Dict[str, Any]] = []
@@ -230,6 +231,8 @@ class PolicyRunner:
             if action.scale is not None:
                 self.lr_scale *= float(action.scale)
             self._write_lr()
+            if not self._has_scheduler():
+                return f"lr {lr0:.4g} -> {_first(ap.get_lr()):.4g}"
             return f"lr {lr0:.4g} -> {_first(ap.get_lr()):.4g} (scale on the scheduler's LR now {self.lr_scale:.4g})"
         if isinstance(action, SetAggregator):
             ap.set_aggregator(action.spec)
@@ -262,9 +265,20 @@ class PolicyRunner:
         to its own value, and the policies' scale must be on it before the next step uses it."""
         self._sync_lr()
 
+    def _has_scheduler(self) -> bool:
+        """Whether an LR scheduler sets the base LR the policies' scale multiplies: the applier says so
+        (`has_lr_scheduler()`, or a DeepSpeed engine's `lr_scheduler`), or the LR was seen moved by someone else."""
+        ap = self.applier
+        if hasattr(ap, "has_lr_scheduler"):
+            return bool(ap.has_lr_scheduler())
+        engine = getattr(ap, "engine", None)
+        return getattr(engine, "lr_scheduler", None) is not None or self._lr_moved
+
     def _sync_lr(self) -> None:
         """An LR scheduler (or the user) moved the LR since we last wrote it: that is the new base."""
         cur = self.applier.get_lr()
+        if self.base_lrs is not None and cur != self._written:
+            self._lr_moved = True
         if self.base_lrs is None or cur != self._written:
             self.base_lrs = list(cur)
             if self.lr_scale != 1.0:
