@@ -14,6 +14,9 @@ It records, with the caller's file:line,
   host value written into the device where torch copies it over and waits: a Python number or host tensor
   at tensor (or list) indices (`acc[idx] = 0`: index_put_ moves the 0 to the device), into a single element
   (`t[3] = 1.0`), or a host tensor of several elements (`index_put_` with host values likewise);
+- `divides`: a floating device tensor divided by a Python number that is not a power of two: CUDA computes
+  it as a product with the number's rounded reciprocal, the CPU as a quotient, which may differ in the last
+  bit (divide by a 0-dim device tensor, `robust.exact`, or multiply by a reciprocal that every device uses);
 - `mixes`: an op mixing device tensors with host tensors of more than one element (CUDA raises "Expected all
   tensors to be on the same device" there; copies and index arguments excepted).
 
@@ -25,6 +28,7 @@ inside `tests/threadcomm.py` (the in-process stand-in for NCCL) is not counted.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -40,6 +44,7 @@ SYNC_SHAPES = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecu
 NO_MIX_CHECK = {"copy_", "to", "index_select", "index_copy_", "index_add_", "index_put_", "__getitem__",
                 "__setitem__", "gather", "scatter", "scatter_", "scatter_add_", "take", "cpu", "__get__"}
 _SKIP_FILES = ("threadcomm.py", "sync_audit.py")
+DIVISIONS = {"div", "div_", "__truediv__", "__itruediv__", "true_divide", "true_divide_"}
 HOST = torch.device("cpu", 0)
 
 
@@ -75,6 +80,7 @@ class SyncAudit(TorchFunctionMode):
         on_dev = [t for t in ins if self.reg.has(t)]
         if on_dev:
             self._check_sync(name, args, kwargs)
+            self._check_division(name, args, kwargs)
             if name not in NO_MIX_CHECK and any(t.numel() > 1 and not self.reg.has(t) for t in ins):
                 self.reg.note("mixes", name)
         if name == "copy_" and len(args) >= 2 and not self.reg.has(args[0]) and self.reg.has(args[1]):
@@ -107,6 +113,17 @@ class SyncAudit(TorchFunctionMode):
             values = args[2] if len(args) > 2 else kwargs.get("values")
             if isinstance(values, torch.Tensor) and not self.reg.has(values):
                 self.reg.note("syncs", f"{name} (host values: a blocking host-to-device copy)")
+
+    def _check_division(self, name, args, kwargs) -> None:
+        """A floating device tensor divided by a Python number: CUDA multiplies by the number's rounded
+        reciprocal (BinaryDivTrueKernel.cu) where the CPU divides, so the bits may differ in the last place
+        (exact only for powers of two)."""
+        if name not in DIVISIONS or len(args) < 2 or kwargs.get("rounding_mode") is not None:
+            return
+        x, d = args[0], args[1]
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and isinstance(d, (int, float)) and \
+                not isinstance(d, bool) and d != 0 and math.isfinite(d) and math.frexp(abs(d))[0] != 0.5:
+            self.reg.note("divides", f"{name} by {d!r}")
 
     def _check_setitem(self, dst: torch.Tensor, index: Any, value: Any) -> None:
         """`dst[index] = value` on the device with a value from the host - a Python number or a host tensor -
@@ -155,6 +172,7 @@ class DeviceRegistry:
         self._ids: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
         self.syncs: List[str] = []
         self.mixes: List[str] = []
+        self.divides: List[str] = []
 
     def add(self, t: torch.Tensor) -> None:
         with self._lock:

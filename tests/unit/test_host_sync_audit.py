@@ -57,6 +57,7 @@ def test_syncs_per_call_within_docstring(name, m, dtype):
     assert per_call <= EXPECTED_MAX[name], f"{name}: {len(reg.syncs)} syncs in {m * STEPS} calls: " + \
         "; ".join(sorted(set(reg.syncs))[:8])
     assert not reg.mixes, f"{name}: host and device tensors mixed: " + "; ".join(sorted(set(reg.mixes))[:8])
+    assert not reg.divides, f"{name}: device-dependent divisions: " + "; ".join(sorted(set(reg.divides))[:8])
 
 
 @pytest.mark.parametrize("name", ["mean", "median", "zeno", "gossip"])
@@ -173,3 +174,21 @@ def test_reference_kernels_make_no_host_sync(dtype):
         for trim in (0, 1, 2):
             R.trimmed_mean(stack, trim)
     assert reg.syncs == [] and reg.mixes == [], (reg.syncs, reg.mixes)
+    # the same bits on every device: no division by a number (the float64 trimmed mean was 1 ulp off on CUDA)
+    assert reg.divides == [], reg.divides
+
+
+def test_the_audit_sees_a_division_by_a_number():
+    """CUDA divides by a Python number as a product with its rounded reciprocal: 1 float64 quotient in ~6 by
+    3 differs from the CPU's in the last bit (GPU tier 2026-11-26: the float64 trimmed mean on torch CUDA).
+    Powers of two and divisions by a device tensor are exact alike everywhere."""
+    reg = DeviceRegistry()
+    dev = torch.ones(4, dtype=torch.float64)
+    reg.mark([dev])
+    with reg.mode():
+        dev / 3
+        dev.div(3.0)
+        torch.true_divide(dev, 7)
+        dev / 2, dev / 0.25, dev / torch.full((), 3.0, dtype=torch.float64, device=dev.device)
+        dev * (1 / 3)
+    assert len(reg.divides) == 3 and reg.divides[0].startswith("div by 3"), reg.divides
