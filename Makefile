@@ -27,9 +27,12 @@ test-integration: setup
 test-wheel: setup
 	$(PY) -m tests.wheel.check_wheel
 
-# the GPU tier (one CUDA GPU; the multigpu tests need two): kernels, aggregators, engine and profile on CUDA
+# the GPU tier (one CUDA GPU; the multigpu tests need two): kernels, aggregators, engine and profile on CUDA,
+# in parallel with pytest-xdist where it is installed (one GPU, many workers; tests sharing a module fixture
+# stay on one worker by xdist_group), else sequentially
 test-gpu: setup
-	DS_ACCELERATOR=cuda $(PY) -m pytest tests -m "gpu or multigpu"
+	DS_ACCELERATOR=cuda $(PY) -m pytest tests/gpu -m "gpu or multigpu" \
+		$$($(PY) -c "import xdist" 2>/dev/null && echo "-n auto --dist loadgroup")
 
 # dist/pdv_ext-VERSION.tar.gz and dist/pdv_ext-VERSION-py3-none-any.whl (`pip install dist/pdv_ext-*.whl`)
 wheel: setup

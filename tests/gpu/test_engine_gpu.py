@@ -50,6 +50,7 @@ def runs():
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.xdist_group("engine_modes")  # one worker runs the `runs` fixture (the whole matrix) once
 @pytest.mark.parametrize("mode", MODES)
 def test_engine_modes_on_one_gpu(runs, mode):
     assert runs["device"] == "cuda"
