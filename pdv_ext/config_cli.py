@@ -16,7 +16,7 @@ line, prefixed `warning: `, before `ok` (exit 0). Errors (N not divisible by S, 
 disagrees with `--stages`, an aggregator undefined on that group) exit 2 as any other.
 
 `--import MODULE` (repeatable; a module name or a .py file) imports your code first, as
-`launch/train_gpt.py --import` does, so that names it registers with a decorator are known.
+the shipped train scripts' `--import` does (`python -m pdv_ext.examples.train_gpt --import`), so that names it registers with a decorator are known.
 """
 from __future__ import annotations
 

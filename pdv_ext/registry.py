@@ -78,7 +78,7 @@ def _where(module: Any) -> str:
 
 def _shadowed(module_name: str, module: Any) -> str:
     """A hint when a file of the same name in the working directory lost to the one imported (the
-    script's own folder comes first on sys.path: `launch/my_policy.py` hides `./my_policy.py`)."""
+    script's own folder comes first on sys.path: a `my_policy.py` beside the script hides `./my_policy.py`)."""
     mine = os.path.join(os.getcwd(), *module_name.split(".")) + ".py"
     loaded = getattr(module, "__file__", None)
     if os.path.isfile(mine) and (not loaded or os.path.abspath(loaded) != mine):
@@ -90,7 +90,7 @@ def _shadowed(module_name: str, module: Any) -> str:
 def import_user_modules(specs: Iterable[str]) -> List[Any]:
     """Import each of `specs` (a module name, or a path to a .py file) so that the names its decorators
     register (`register_policy`, `register_aggregator`, `register_solver`) are known: what `--import` does
-    in `launch/train_gpt.py` and `pdv check-config`. A file is imported under its file name (without .py),
+    in the shipped train scripts (`pdv_ext/examples/train_gpt.py`) and `pdv check-config`. A file is imported under its file name (without .py),
     so that `"name:Class"` also finds it afterwards."""
     out = []
     for spec in specs:
@@ -152,8 +152,8 @@ def factory_errors(factory: Any, options: Dict[str, Any], base: type, label: str
 
 def _import_from_cwd_too(module_name: str) -> Any:
     """Import a module; when its top-level package is not found, look in the working directory too (last,
-    so it shadows nothing), as `uvicorn module:app` does: `"launch.my_policy:PlateauLR"` then works from
-    the repository root whether the entry point is `pdv`, `deepspeed` or `python launch/train_gpt.py`."""
+    so it shadows nothing), as `uvicorn module:app` does: `"my_policy:PlateauLR"` then works from the
+    folder holding my_policy.py whether the entry point is `pdv`, `deepspeed` or `python -m ...`."""
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -266,7 +266,7 @@ class Registry(Generic[T]):
         raise RegistryError(f"unknown {self.kind} '{name}'{did_you_mean(name, self.names())}; known: {known}; for your "
                             f"own, write 'module:{attr}' (the module is imported from sys.path or the working "
                             f"directory), or import the module that registers '{name}' first (`--import MODULE` in pdv check-config and "
-                            "launch/train_gpt.py)")
+                            "the shipped train scripts, e.g. python -m pdv_ext.examples.train_gpt)")
 
     def build(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Look up `name` and call it (a class: construct it)."""

@@ -131,7 +131,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error(f"--stages ({args.stages}) must divide --ranks ({args.ranks})")
     if args.precision == "fp16":  # the ranks run on CPU (gloo): DeepSpeed refuses fp16 there
         ap.error("--precision fp16: DeepSpeed has no fp16 on CPU (the bench runs its ranks on CPU with gloo); use "
-                 "fp32 or bf16 here, and launch/train_gpt.py with an fp16 config on a GPU")
+                 "fp32 or bf16 here, and python -m pdv_ext.examples.train_gpt with an fp16 config on a GPU")
     from ..spawn import run_ranks
 
     log(f"[bench engine] {args.ranks} ranks, {args.stages} stages, {args.layers} layers x {args.hidden}, "

@@ -3,7 +3,7 @@
 The schema (`placement/config.py`) sees names; the launch then reads the cluster YAML, the plan JSON and
 the profile JSON, imports a `"module:function"` solver, and fails there, on rank 0, after the process
 group started, when one is missing or malformed or does not match the job's size. This module loads the
-same files the same way (paths relative to the working directory, as at launch) and checks the sizes
+same files the same way (relative paths in a config file read from its folder, as at launch) and checks the sizes
 they must agree on, so that all of it is one line per problem before anything starts.
 """
 from __future__ import annotations
