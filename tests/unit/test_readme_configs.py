@@ -21,7 +21,7 @@ def test_the_readme_example_is_launch_configs_placement_json():
 @pytest.mark.parametrize("config, world", [("launch/configs/placement.json", 4), ("launch/configs/demo.json", 4),
                                            ("launch/configs/horovod.yaml", 4)])
 def test_shipped_configs_pass_check_config_for_the_demo(monkeypatch, capsys, config, world):
-    monkeypatch.chdir(ROOT)  # paths in configs are relative to where the job is launched: the repository root
+    monkeypatch.chdir(ROOT)  # relative paths in a config file are read from its folder: any cwd works
     assert check_config([config, "--world-size", str(world)]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "ok"
 
