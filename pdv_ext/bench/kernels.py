@@ -6,9 +6,13 @@ per-level pair `adasum_dots` + in-place `adasum_combine` over a GPT-like list of
 twice and writes a once (5 n elements); top-k with error feedback reads update and residual and writes
 residual (3 n); median and trimmed mean read the m x n/m stack and write n/m ((m + 1) n / m). Temporaries an
 implementation allocates are not counted (that is its cost). Elements are counted at the input dtype's
-size. On CPU all variants use torch.get_num_threads() threads; on CUDA each repetition runs an op `inner`
-times between two CUDA events (no synchronisation inside, one after). Variants are timed alternately, so
-machine noise hits every case alike; each figure is the median of the repetitions.
+size. On CPU all variants use torch.get_num_threads() threads. On CUDA every op (and the copy) is timed three
+ways per repetition: device time, `inner` calls between two CUDA events (`*_gbps`, `*_vs_copy`: the
+historical keys); queued wall time, `inner` calls back to back and one synchronisation
+(`*_queued_gbps`, `*_queued_vs_copy`, `*_queued_us` per call: what a step pays when the host issues the
+work, so a host-bound op shows here); synced wall time, a synchronisation after each call (`*_synced_*`).
+Variants are timed alternately, so machine noise hits every case alike; each figure is the median of the
+repetitions.
 
 On CUDA (wherever Triton answers), top-k is timed twice in the same run: `topk_fused` with the default threshold finder
 (torch.topk unless PDV_TOPK_SELECT says otherwise; the result's `topk_select` names it) and `topk_radix`
@@ -18,7 +22,7 @@ one run on a GPU shows which to make the default.
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -48,6 +52,7 @@ def _time(fn: Callable[[], None]) -> float:
 
 
 def _time_cuda(fn: Callable[[], None], inner: int) -> float:
+    """Device time per call: `inner` calls between two CUDA events (no synchronisation inside)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(inner):
@@ -55,6 +60,39 @@ def _time_cuda(fn: Callable[[], None], inner: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3 / inner
+
+
+def _time_queued(fn: Callable[[], None], inner: int, sync: Callable[[], None]) -> float:
+    """Wall time per call with `inner` calls queued back to back and one synchronisation after them: what a
+    training step pays when the host issues the work (host overhead shows when it exceeds the device's)."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / inner
+
+
+def _time_synced(fn: Callable[[], None], inner: int, sync: Callable[[], None]) -> float:
+    """Wall time per call with a synchronisation after each call (the median of `inner`): host issue and
+    device work in series, plus a sync's round trip."""
+    sync()
+    ts = []
+    for _ in range(inner):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return median(ts)
+
+
+def cuda_timers(inner: int) -> Dict[str, Callable[[Callable[[], None]], float]]:
+    """The three ways a CUDA op is timed, by key infix: "" device time (CUDA events, the historical keys),
+    "_queued" and "_synced" wall time (see _time_queued / _time_synced). The copy is timed the same three
+    ways, so each `*_vs_copy` compares like with like."""
+    sync = torch.cuda.synchronize
+    return {"": lambda fn: _time_cuda(fn, inner), "_queued": lambda fn: _time_queued(fn, inner, sync),
+            "_synced": lambda fn: _time_synced(fn, inner, sync)}
 
 
 def _cases(n: int, m: int, device: str, dtype: torch.dtype):
@@ -102,7 +140,11 @@ def _cases(n: int, m: int, device: str, dtype: torch.dtype):
 
 
 def run(elements: int, reps: int, m: int = 4, device: str = "cpu", dtypes: Sequence[str] = ("float32",),
-        inner: int = 10) -> Dict[str, float]:
+        inner: int = 10, timers: Optional[Dict[str, Callable[[Callable[[], None]], float]]] = None) -> Dict[str, float]:
+    """Figures per dtype; `timers` (key infix -> timer of one call; default: the CPU's wall clock, on CUDA
+    `cuda_timers`) says how each case is timed: every timer gives `{case}{infix}{sfx}_gbps` and, for the
+    fused ops, `{case}{infix}{sfx}_vs_copy` against the copy timed the same way, plus `{case}{infix}{sfx}_us`
+    per call for the timers beyond the first."""
     if device == "cpu" and K.backend() != "cpp":
         log(f"fused kernels unavailable ({K._state['reason']}): fused figures measure the fallback")
     if device == "cuda" and K.backend("cuda") != "triton":
@@ -110,23 +152,28 @@ def run(elements: int, reps: int, m: int = 4, device: str = "cpu", dtypes: Seque
     out: Dict[str, float] = {}
     for dt in dtypes:
         cases = _cases(elements, m, device, getattr(torch, dt))
-        timer = (lambda fn: _time_cuda(fn, inner)) if device == "cuda" else _time
-        times: Dict[str, List[float]] = {name: [] for name in cases}
+        modes = timers or (cuda_timers(inner) if device == "cuda" else {"": _time})
+        times: Dict[str, Dict[str, List[float]]] = {mode: {name: [] for name in cases} for mode in modes}
         for name, (fn, _) in cases.items():  # warm-up (and the kernel build / Triton compile)
             fn()
         if device == "cuda":
             torch.cuda.synchronize()
         for rep in range(reps):
-            for name, (fn, _) in cases.items():  # alternate, so machine noise hits every case alike
-                times[name].append(timer(fn))
-            log(f"{dt} rep {rep + 1}/{reps}: " + ", ".join(f"{nm} {t[-1] * 1e3:.2f} ms" for nm, t in times.items()))
+            for mode, timer in modes.items():
+                for name, (fn, _) in cases.items():  # alternate, so machine noise hits every case alike
+                    times[mode][name].append(timer(fn))
+            log(f"{dt} rep {rep + 1}/{reps}: " + ", ".join(f"{nm} {t[-1] * 1e3:.2f} ms"
+                                                           for nm, t in times[next(iter(modes))].items()))
         sfx = SUFFIX[dt]
-        gbps = {name: nbytes / median(times[name]) / 1e9 for name, (_, nbytes) in cases.items()}
-        for name, v in gbps.items():
-            out[f"{name}{sfx}_gbps"] = round(v, 3)
-        for name in cases:
-            if name.endswith(("_fused", "_radix")):
-                out[f"{name}{sfx}_vs_copy"] = round(gbps[name] / gbps["copy"], 3)
+        for i, mode in enumerate(modes):
+            gbps = {name: nbytes / median(times[mode][name]) / 1e9 for name, (_, nbytes) in cases.items()}
+            for name, v in gbps.items():
+                out[f"{name}{mode}{sfx}_gbps"] = round(v, 3)
+                if i:
+                    out[f"{name}{mode}{sfx}_us"] = round(median(times[mode][name]) * 1e6, 1)
+            for name in cases:
+                if name.endswith(("_fused", "_radix")):
+                    out[f"{name}{mode}{sfx}_vs_copy"] = round(gbps[name] / gbps["copy"], 3)
     return out
 
 

@@ -40,3 +40,27 @@ def test_gpt_shapes_fill_exactly():
         total = sum(aggregate._numel(s) for s in shapes)
         assert elements - 512 < total <= elements
     assert len(aggregate.gpt_shapes(16 * 2 ** 20)) > 12  # many layers, not one blob
+
+
+def test_kernels_bench_reports_every_timer_beside_the_historical_keys():
+    """On CUDA each op and the copy are timed as device time (events: the historical keys), queued wall time
+    and synced wall time; here the three timers run on the CPU clock with a no-op sync (the key contract:
+    keys added, none removed)."""
+    calls = []
+
+    def sync():
+        calls.append(1)
+
+    timers = {"": kernels._time, "_queued": lambda fn: kernels._time_queued(fn, 3, sync),
+              "_synced": lambda fn: kernels._time_synced(fn, 3, sync)}
+    res = kernels.run(4096, 1, timers=timers)
+    assert all(res[k] > 0 for k in KEYS)
+    for infix in ("_queued", "_synced"):
+        assert all(res[k.replace("_gbps", f"{infix}_gbps").replace("_vs_copy", f"{infix}_vs_copy")] > 0 for k in KEYS)
+        assert res[f"adasum_fused{infix}_us"] > 0 and res[f"copy{infix}_us"] > 0
+    assert "adasum_fused_us" not in res  # the first timer keeps exactly the historical keys
+    assert len(calls) == 9 * (2 + 4)  # per case: queued syncs twice, synced once before and after each call
+
+
+def test_kernels_bench_cuda_timers_are_events_queued_and_synced():
+    assert list(kernels.cuda_timers(5)) == ["", "_queued", "_synced"]
