@@ -173,15 +173,60 @@ def _dots_reduce(part, first, out, nblocks, nseg, RB: tl.constexpr):
 
 
 def adasum_dots(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dev = a[0].device
-    seg, start, sizes, first, nblocks = _block_tables(tuple(t.numel() for t in a), dev, BLOCK)
-    out = torch.empty(3, len(a), dtype=torch.float64, device=dev)
-    part = torch.empty(3, max(nblocks, 1), dtype=torch.float64, device=dev)
-    if nblocks:
-        _dots_partial[(nblocks,)](*_segments(a), *_segments(b), a[0], seg, start, sizes, part, nblocks, BLOCK=BLOCK,
-                                  ALIGN=_aligned(a, b))
-    _dots_reduce[(len(a),)](part, first, out, max(nblocks, 1), len(a), RB=256)
-    return out[0], out[1], out[2]
+    return PairLaunch(a, b).dots()
+
+
+class PairLaunch:
+    """Launch state of `adasum_dots` / `adasum_combine` for one layout of the tensor lists (a, b): block
+    tables, each list's base address and device offset table, alignment, a dtype carrier for REF and the
+    partials buffer. `pdv_ext.kernels` keeps one per layout (keyed by every tensor's address, size, dtype
+    and contiguity), so a call with a known layout is the launches and one or two allocations: no Python
+    pass over the tensors beyond computing the key. Holds no reference to the caller's tensors."""
+
+    __slots__ = ("dev", "n", "block", "seg", "start", "sizes", "first", "nblocks", "a", "b", "align_ab",
+                 "align_a", "align_b", "ref", "part", "outs")
+
+    def __init__(self, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]):
+        self.dev, self.n, self.block = a[0].device, len(a), BLOCK
+        self.seg, self.start, self.sizes, self.first, self.nblocks = _block_tables(
+            tuple(t.numel() for t in a), self.dev, BLOCK)
+        self.a, self.b = _segments(a), _segments(b)
+        self.align_a, self.align_b = _aligned(a), _aligned(b)
+        self.align_ab = self.align_a and self.align_b
+        self.ref = torch.empty(1, dtype=a[0].dtype, device=self.dev)  # only its element type is read
+        self.part = torch.empty(3, max(self.nblocks, 1), dtype=torch.float64, device=self.dev)
+        self.outs: "OrderedDict[tuple, tuple]" = OrderedDict()  # other `out` lists: key -> (segments, aligned)
+
+    def dots(self) -> Tuple[torch.Tensor, ...]:
+        """(a·b, |a|², |b|²): two launches, one allocation. The partials buffer is reused call after call
+        (work on one stream runs in order; ranks on threads have layouts of their own)."""
+        out = torch.empty(3, self.n, dtype=torch.float64, device=self.dev)
+        if self.nblocks:
+            _dots_partial[(self.nblocks,)](*self.a, *self.b, self.ref, self.seg, self.start, self.sizes, self.part,
+                                           self.nblocks, BLOCK=self.block, ALIGN=self.align_ab)
+        _dots_reduce[(self.n,)](self.part, self.first, out, max(self.nblocks, 1), self.n, RB=256)
+        return out.unbind(0)
+
+    def out_segments(self, key: tuple, outs: Sequence[torch.Tensor]):
+        """(segments, aligned) of an `out` list that is neither a nor b, cached by its key (8 at most)."""
+        hit = self.outs.get(key)
+        if hit is None:
+            hit = self.outs[key] = (_segments(outs), _aligned(outs))
+            if len(self.outs) > 8:
+                self.outs.popitem(last=False)
+        return hit
+
+    def combine(self, ca: torch.Tensor, cb: torch.Tensor, out_seg, out_aligned: bool) -> None:
+        """out = ca a + cb b: one launch (plus a copy of a coefficient not yet float64 on the device)."""
+        if not self.nblocks:
+            return
+        nb = self.dev.type != "cpu"
+        if ca.device != self.dev or ca.dtype != torch.float64 or not ca.is_contiguous():
+            ca = ca.to(device=self.dev, dtype=torch.float64, non_blocking=nb).contiguous()
+        if cb.device != self.dev or cb.dtype != torch.float64 or not cb.is_contiguous():
+            cb = cb.to(device=self.dev, dtype=torch.float64, non_blocking=nb).contiguous()
+        _combine[(self.nblocks,)](*self.a, *self.b, *out_seg, self.ref, self.seg, self.start, self.sizes, ca, cb,
+                                  BLOCK=self.block, ALIGN=self.align_ab and out_aligned, enable_fp_fusion=False)
 
 
 @triton.jit
@@ -197,14 +242,8 @@ def _combine(A, AO, B, BO, O, OO, REF, seg_of, start_of, sizes, CA, CB, BLOCK: t
 
 def adasum_combine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ca: torch.Tensor, cb: torch.Tensor,
                    outs: Sequence[torch.Tensor]) -> None:
-    dev = a[0].device
-    seg, start, sizes, _, nblocks = _block_tables(tuple(t.numel() for t in a), dev, BLOCK)
-    if not nblocks:
-        return
-    ca64 = ca.to(device=dev, dtype=torch.float64, non_blocking=dev.type != "cpu").contiguous()
-    cb64 = cb.to(device=dev, dtype=torch.float64, non_blocking=dev.type != "cpu").contiguous()
-    _combine[(nblocks,)](*_segments(a), *_segments(b), *_segments(outs), a[0], seg, start, sizes, ca64, cb64,
-                         BLOCK=BLOCK, ALIGN=_aligned(a, b, outs), enable_fp_fusion=False)
+    st = PairLaunch(a, b)
+    st.combine(ca, cb, _segments(outs), _aligned(outs))
 
 
 # ---- top-k with error feedback ------------------------------------------------------------------------------

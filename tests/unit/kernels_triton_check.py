@@ -19,7 +19,7 @@ import traceback
 
 DTYPES = ["float32", "bfloat16", "float16", "float64"]
 CASES = ([f"{op}_{dt}" for op in ("dots", "combine", "topk", "median", "trimmed") for dt in DTYPES]
-         + [f"topkradix_{dt}" for dt in DTYPES[:3]] + ["radix", "bench", "empty", "tables"])
+         + [f"topkradix_{dt}" for dt in DTYPES[:3]] + ["radix", "bench", "empty", "tables", "hostcost"])
 
 
 def main(cases):
@@ -203,13 +203,87 @@ def main(cases):
             for x, y in zip(K.adasum_combine(a, b, c, c), R.adasum_combine(a, b, c, c)):
                 same(x, y)
 
+    def hostcost(_):
+        """Issue #39: an Adasum level (adasum_dots + adasum_combine(out=a)) of 61 tensors cost ~420 us of host
+        time on the H200's host, 4x its kernels. With a known layout it is 3 launches, at most 2 torch ops
+        that reach ATen (the dots' output and its unbind) and a bounded number of Python-level tensor calls
+        per tensor (computing the layout key); results on cache hits stay the reference's, and a layout
+        that changes under the same addresses (a transposed view) is not taken for the cached one."""
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        sizes = [16, 48, 16, 64, 16, 80] * 10 + [33]  # 61 tensors, GPT-like: weights and small vectors
+        fa, fb = torch.randn(sum(sizes), generator=g), torch.randn(sum(sizes), generator=g)
+        a, b = list(fa.split(sizes)), list(fb.split(sizes))
+        half = torch.full((len(a),), 0.5, dtype=torch.float64)
+        for _ in range(3):  # interpreted: the first call fills the cache, the next ones hit it
+            want_d = R.adasum_dots(a, b)
+            want_c = R.adasum_combine(a, b, half, half)
+            for x, y in zip(K.adasum_dots(a, b), want_d):
+                torch.testing.assert_close(x, y, rtol=1e-13, atol=1e-13)
+            for x, y in zip(K.adasum_combine(a, b, half, half, out=a), want_c):
+                same(x, y)
+        sq = torch.randn(8, 8, generator=g)
+        for view in (sq, sq.t()):  # same address, size and dtype; the transposed one is not contiguous
+            same(K.adasum_combine([view], [view], half[:1], half[:1], out=[torch.empty(8, 8)])[0],
+                 R.adasum_combine([view], [view], half[:1], half[:1])[0])
+
+        launches = []
+
+        class Fake:  # the launcher, counted instead of run
+            def __init__(self, name):
+                self.name = name
+
+            def __getitem__(self, grid):
+                return lambda *args, **kw: launches.append(self.name)
+
+        class Aten(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.ops = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.ops.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        class Calls(TorchFunctionMode):
+            def __init__(self):
+                super().__init__()
+                self.n = 0
+
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                self.n += 1
+                return func(*args, **(kwargs or {}))
+
+        saved = {k: getattr(T, k) for k in ("_dots_partial", "_dots_reduce", "_combine")}
+        try:
+            for k in saved:
+                setattr(T, k, Fake(k))
+
+            def level():
+                K.adasum_dots(a, b)
+                K.adasum_combine(a, b, half, half, out=a)
+
+            level()
+            launches.clear()
+            with Aten() as aten:
+                level()
+            assert launches == ["_dots_partial", "_dots_reduce", "_combine"], launches
+            with Calls() as calls:
+                level()
+        finally:
+            for k, v in saved.items():
+                setattr(T, k, v)
+        assert len(aten.ops) <= 2, aten.ops
+        assert calls.n <= 20 * len(a), f"{calls.n} torch calls for {len(a)} tensors"
+
     ops = {"dots": dots, "combine": combine, "topk": topk, "topkradix": topkradix, "median": median,
            "trimmed": trimmed}
     out = {}
     for case in cases:
         op, _, dt = case.partition("_")
         try:
-            special = {"empty": empty, "tables": tables, "radix": radix, "bench": bench}
+            special = {"empty": empty, "tables": tables, "radix": radix, "bench": bench, "hostcost": hostcost}
             special.get(case, ops.get(op))(getattr(torch, dt) if dt else None)
             out[case] = "ok"
         except Exception:
