@@ -29,7 +29,7 @@ from tests.wheel import dist_contents
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXTRAS = ["horovod", "mpi", "plot", "docs", "dev"]
 SMOKE = os.path.join(ROOT, "tests", "wheel", "smoke.py")
-DEMO_CONFIG = os.path.join(ROOT, "launch", "configs", "demo.json")
+DEMO_CONFIG = os.path.join(ROOT, "pdv_ext", "examples", "configs", "demo.json")
 
 
 class StepFailed(RuntimeError):
@@ -115,9 +115,16 @@ def smoke(out: str, py: str) -> None:
     work = os.path.join(out, "run")
     os.makedirs(work)
     shutil.copy(SMOKE, work)
+    docs = []
+    for page in ("README.md", os.path.join("docs", "getting-started.md")):
+        docs.append(os.path.basename(page))
+        shutil.copy(os.path.join(ROOT, page), work)
     env = outside_env(PATH=os.path.dirname(py) + os.pathsep + os.environ.get("PATH", ""), DS_ACCELERATOR="cpu",
                       TORCH_EXTENSIONS_DIR=os.path.join(out, "torch_extensions"), PYTHONUNBUFFERED="1")
-    cmd = [py, "smoke.py", "--config", DEMO_CONFIG, "--source-tree", ROOT]
+    # DeepSpeed's own CPU op, built by the checkout's runs for the same torch and DeepSpeed: a cache, not code
+    ds_cache = os.path.join(ROOT, "build", "torch_extensions")
+    cmd = [py, "smoke.py", "--config", DEMO_CONFIG, "--source-tree", ROOT, "--docs", *docs,
+           "--ds-cache", ds_cache if os.path.isdir(os.path.join(ds_cache, "deepspeed_shm_comm")) else ""]
     proc = subprocess.run(cmd, cwd=work, env=env)
     if proc.returncode != 0:
         raise StepFailed(f"the smoke run of the installed wheel failed (exit {proc.returncode}): {' '.join(cmd)}")

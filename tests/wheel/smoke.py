@@ -10,7 +10,11 @@ on the first failure:
    with the torch reference; without TORCH_EXTENSIONS_DIR the cache is not inside site-packages;
 4. two gloo ranks train through `pdv_ext.initialize` with `adasum` (a dense update; replicas end
    bit-identical) and `gossip` (top-k: each step moves at most the two ranks' k entries, the exact sync of
-   the last step applies what error feedback held back), losses finite.
+   the last step applies what error feedback held back), losses finite;
+5. the docs' commands from the installed package (README.md and docs/getting-started.md, copied next to
+   this file): `pdv example` copies the shipped examples, `pdv check-config` accepts their configs, and the
+   getting-started page's minimal program runs as the page says on 2 ranks through the deepspeed launcher.
+   Each command run is first found verbatim in one of the pages.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ import torch
 import pdv_ext
 from pdv_ext import kernels
 from pdv_ext.kernels import cpu, reference
-from pdv_ext.spawn import run_ranks
+from pdv_ext.spawn import free_port, run_ranks
 
 STEPS = 4
 SITE = os.path.realpath(sysconfig.get_paths()["purelib"])
@@ -206,16 +210,57 @@ def check_two_ranks() -> None:
     check(diff < 1e-5, f"gossip: after the exact sync both ranks hold the same weights (max difference {diff:.1e})")
 
 
+# ---- 5. the docs' commands, from the installed package ----------------------------------------------
+#: run in this order, each in a shell in one scratch folder (a `cd` carries over to the next line)
+DOC_COMMANDS = [
+    "pdv --version",
+    "pdv example train_gpt my_job",
+    "cd my_job",
+    "pdv check-config configs/demo.json --world-size 4",
+    "pdv check-config configs/placement.json --world-size 4   # everything the launch will load; \"ok\"",
+    "pdv example minimal .",
+    "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu deepspeed --num_gpus 2 minimal.py --steps 5",
+]
+
+
+def check_docs(pages: List[str], ds_cache: str) -> None:
+    text = "\n".join(open(p, encoding="utf-8").read() for p in pages)
+    work = tempfile.mkdtemp(prefix="docs-", dir=".")
+    cwd = work
+    for line in DOC_COMMANDS:
+        check(line in text, f"the docs show `{line}`")
+        cmd = line.split("   #")[0].strip()
+        if cmd.startswith("cd "):
+            cwd = os.path.normpath(os.path.join(cwd, cmd[3:]))
+            continue
+        env = dict(os.environ)
+        if cmd.startswith("OMP_NUM_THREADS") and ds_cache:
+            env["TORCH_EXTENSIONS_DIR"] = ds_cache  # DeepSpeed's op built once, not minutes in every wheel test
+            cmd = cmd.replace("deepspeed --num_gpus 2", f"deepspeed --master_port {free_port()} --num_gpus 2")
+        t = time.monotonic()
+        out = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        tail = (out.stdout + out.stderr).strip()[-1500:]
+        check(out.returncode == 0, f"`{cmd}` runs as written from the installed package "
+                                   f"({time.monotonic() - t:.0f} s){'' if out.returncode == 0 else ': ' + tail}")
+        if "minimal.py" in cmd:
+            check("step 5 loss" in out.stdout and "aggregator adasum" in out.stdout,
+                  "the minimal program trained 5 steps with adasum")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="a shipped config to check with `pdv check-config`")
     ap.add_argument("--source-tree", required=True, help="the checkout, which must not be on the path")
+    ap.add_argument("--docs", nargs="*", default=[], help="README.md and getting-started.md, copied here")
+    ap.add_argument("--ds-cache", default="", help="a TORCH_EXTENSIONS_DIR holding DeepSpeed's built ops, if any")
     args = ap.parse_args()
     try:
         check_isolation(args.source_tree)
         check_cli(args.config)
         check_kernels()
         check_two_ranks()
+        if args.docs:
+            check_docs(args.docs, args.ds_cache)
     except SmokeFailed as exc:
         print(f"[smoke] FAILED: {exc}", file=sys.stderr)
         return 1
