@@ -28,7 +28,7 @@ import math
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -359,13 +359,14 @@ class _FullModel(nn.Module):
         return x
 
 
-def full_model_from_pipeline(module: Any) -> nn.Module:
-    """Build every layer of a `PipelineModule` from its specs, seeded as the PipelineModule seeds them."""
+def full_model_from_pipeline(module: Any, layers: Sequence[Any]) -> nn.Module:
+    """Build every layer of a `PipelineModule` from its specs (`layers`, every stage's), seeded as the
+    PipelineModule seeds them."""
     from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
     from deepspeed.runtime import utils as ds_utils
 
     full = _FullModel()
-    for idx, layer in enumerate(module._layer_specs):
+    for idx, layer in enumerate(layers):
         if module.seed_layers:
             (module.seed_fn or ds_utils.set_random_seed)(module.base_seed + idx)
         if isinstance(layer, PipelineModule):
@@ -419,10 +420,11 @@ def _rng_devices() -> List[int]:
 
 
 def search_pipeline_init(module: Any, data_iter: Optional[Iterable], cfg: Union[Dict[str, Any], InitSearchConfig],
-                         comm: Optional[Comm] = None) -> Dict[str, Any]:
+                         comm: Optional[Comm] = None, *, layers: Sequence[Any]) -> Dict[str, Any]:
     """Run the search over the whole model on every rank (world group by default) and load this stage's slice
-    of the winner into `module` (a built PipelineModule). Called by `pdv_ext.initialize` before the engine
-    exists, so optimizers and fp16 master weights start from the winner."""
+    of the winner into `module` (a built PipelineModule whose layer specs, every stage's, are `layers`).
+    Called by `pdv_ext.initialize` before the engine exists, so optimizers and fp16 master weights start
+    from the winner."""
     cfg = _as_config(cfg)
     if data_iter is None:
         raise ConfigError(["pdv.init_search: needs data on every rank: pass init_search_iter=... (an iterator of "
@@ -441,7 +443,7 @@ def search_pipeline_init(module: Any, data_iter: Optional[Iterable], cfg: Union[
 
         device = torch.device(get_accelerator().device_name(getattr(module, "local_rank", 0)))
     with torch.random.fork_rng(devices=_rng_devices()):  # building the full model must not shift the caller's RNG
-        full = full_model_from_pipeline(module)
+        full = full_model_from_pipeline(module, layers)
     _agree_it_fits(full, device, comm)
     full = full.to(device)
     report = search_init(full, module.loss_fn, data_iter, comm, cfg, device=device)

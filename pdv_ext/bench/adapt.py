@@ -174,7 +174,7 @@ def rank_main(args: Dict[str, Any]) -> int:
 
     import pdv_ext
     from ..emulate.events import mark_start
-    from ..integrations.topology import current_mapping
+    from ..integrations.deepspeed.topology import current_mapping
     from ..models import ByteWindows, TextWindows, gpt_layers, lm_loss, seed_layer, text_splits
     from ..policy.data import ElasticBatches
 

@@ -121,9 +121,11 @@ def _overhead(args: Dict[str, Any], eng: Any, data: Any, block: int) -> Dict[str
     (robust when the machine is oversubscribed, where wall time mostly measures waiting for a core)."""
     import torch.distributed as dist
 
+    from ..integrations.deepspeed.internals import instance_instructions, set_instance_instructions
+
     glue = eng.pdv_policy
     hooks = list(eng.grad_hooks)
-    imap = eng.__dict__.get("_INSTRUCTION_MAP")
+    imap = instance_instructions(eng)
     while eng.global_steps % block:  # start at a window boundary
         eng.train_batch(data_iter=data)
     wall: List[float] = []
@@ -133,10 +135,7 @@ def _overhead(args: Dict[str, Any], eng: Any, data: Any, block: int) -> Dict[str
         for on in ((False, True) if pair % 2 == 0 else (True, False)):
             eng.pdv_policy = glue if on else None
             eng.grad_hooks[:] = hooks if on else [h for h in hooks if h.__class__.__name__ != "_MonitorHook"]
-            if on:
-                eng._INSTRUCTION_MAP = imap
-            else:
-                eng.__dict__.pop("_INSTRUCTION_MAP", None)
+            set_instance_instructions(eng, imap if on else None)
             dist.barrier()
             t, c = time.perf_counter(), time.process_time()
             for _ in range(block):
@@ -144,7 +143,8 @@ def _overhead(args: Dict[str, Any], eng: Any, data: Any, block: int) -> Dict[str
             means[on] = ((time.perf_counter() - t) / block, (time.process_time() - c) / block)
         wall.append(means[True][0] / means[False][0])
         cpu.append(means[True][1] / means[False][1])
-    eng.pdv_policy, eng._INSTRUCTION_MAP = glue, imap
+    eng.pdv_policy = glue
+    set_instance_instructions(eng, imap)
     eng.grad_hooks[:] = hooks
     return {"wall": median(wall) - 1.0, "cpu": median(cpu) - 1.0}
 

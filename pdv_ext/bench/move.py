@@ -44,8 +44,8 @@ def _rank(boundaries: List[int], rank_mapping: List[List[int]], steps: int, warm
 
     import pdv_ext
     from pdv_ext.models import TextWindows, gpt_layers, lm_loss, seed_layer, text_splits
-    from pdv_ext.placement.checkpoint import plan_of
-    from pdv_ext.placement.move import move_engine
+    from pdv_ext.integrations.deepspeed.checkpoint import plan_of
+    from pdv_ext.integrations.deepspeed.move import move_engine
     from pdv_ext.policy.data import ElasticBatches
 
     deepspeed.init_distributed(dist_backend="gloo")

@@ -46,6 +46,7 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional
 
+from ..placement.cluster import reference_device
 from .common import check_ranges, emit, log, median, parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -171,11 +172,6 @@ def stage_comparison(cb, breakdowns: List[Any], micro_batches: int) -> List[Dict
                 row[key].append(round(slowest / micro_batches, 1))
         out.append(row)
     return out
-
-
-def reference_device(cluster) -> int:
-    """The device that profiles (train_step_timer profile): the one whose YAML speed is closest to 1."""
-    return min(range(len(cluster)), key=lambda i: abs(cluster.speed(i) - 1.0))
 
 
 def main(argv=None) -> int:

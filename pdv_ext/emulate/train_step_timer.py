@@ -155,8 +155,7 @@ def _measure_devices(a, ids, labels):
         wall, cpu = _time_workload(a, mods, ids, labels)
         messages = {}
         if a.message_cpu and dist.get_world_size() > 1:
-            from ..placement.cluster import Cluster
-            from ..bench.placement import reference_device
+            from ..placement.cluster import Cluster, reference_device
 
             cluster = Cluster.load(a.cluster)
             ref = reference_device(cluster)
@@ -181,8 +180,7 @@ def _activation_bytes(mods, ids) -> List[float]:
 
 
 def profile(a) -> int:
-    from ..bench.placement import reference_device
-    from ..placement.cluster import Cluster
+    from ..placement.cluster import Cluster, reference_device
     from ..placement.profile import engine_overhead, profile_layers
     from ..models import gpt_layers, lm_loss
     import torch
@@ -225,7 +223,7 @@ class _InstructionTimes:
     model's per-stage prediction."""
 
     def __init__(self, engine):
-        from ..integrations.deepspeed import wrap_instructions
+        from ..integrations.deepspeed.internals import wrap_instructions, wrap_loss_aggregation
 
         self.on = False
         self.events: Optional[List[tuple]] = None  # when a list: (instruction, start, end, cpu) appended
@@ -234,8 +232,7 @@ class _InstructionTimes:
         wrap_instructions(engine, lambda instr, fn: self._timed(instr.__name__, fn))
         # after the schedule, train_batch averages the loss over the last stage's replicas and broadcasts
         # it along each pipeline: small collectives that are no instruction (else counted as `outside`)
-        agg = self._timed("AggregateLoss", type(engine)._aggregate_total_loss)
-        engine._aggregate_total_loss = lambda: agg(engine)
+        wrap_loss_aggregation(engine, lambda fn: self._timed("AggregateLoss", fn))
 
     def _timed(self, name, fn):
         def run(engine, *args, **kwargs):
@@ -267,7 +264,7 @@ def train(a) -> int:
     from deepspeed.pipe import PipelineModule
 
     import pdv_ext
-    from ..integrations.deepspeed import current_mapping
+    from ..integrations.deepspeed.topology import current_mapping
     from ..models import ByteWindows, gpt_layers, lm_loss, seed_layer, text_splits
 
     deepspeed.init_distributed(dist_backend="gloo")

@@ -38,6 +38,7 @@ from ..aggregation.faults import FaultInjector, NonFiniteGuard, loss_scale_overf
 from ..aggregation.faults_config import FaultsConfig
 from ..aggregation.mean import Mean
 from ..comm.horovod_comm import _REDUCE_AS, HorovodComm, _hvd
+from ..policy.applier import ApplierBase
 
 __all__ = ["DistributedOptimizer", "PolicyHook", "HorovodApplier", "resolve_aggregation", "register_elastic_handlers"]
 
@@ -475,7 +476,7 @@ if os.environ.get("PDV_NO_ELASTIC_HANDLERS") != "1":
 
 
 # ---- policies: the same Monitor and PolicyRunner as in the DeepSpeed engine --------------------------
-class HorovodApplier:
+class HorovodApplier(ApplierBase):
     """Applies PolicyRunner actions to a Horovod training loop (every rank, at a step boundary).
 
     Micro-batches per step are the optimizer's `backward_passes_per_step` (the loop must read it each
@@ -487,6 +488,18 @@ class HorovodApplier:
 
     def __init__(self, hook: "PolicyHook"):
         self.hook = hook
+
+    @property
+    def optimizer(self) -> Any:
+        return self.hook.optimizer
+
+    @property
+    def aggregator(self) -> Any:
+        return self.hook.optimizer.aggregator
+
+    @property
+    def data_iterator(self) -> Any:
+        return self.hook.data
 
     def batch_geometry(self):
         """(micro-batch size, passes per rank of the equal split, ranks): with unequal data shares the
@@ -502,11 +515,7 @@ class HorovodApplier:
         """Backward passes per rank (the optimizer's accumulation, the data iterator's slices, the Monitor)."""
         h = self.hook
         h.optimizer.set_data_shares(shares)
-        if h.data is not None and hasattr(h.data, "set_shares"):
-            h.data.set_shares(h.optimizer.data_shares)
-        elif h.data is not None:
-            warnings.warn("data shares changed but the data iterator cannot follow: use "
-                          "pdv_ext.policy.data.ElasticBatches so that every rank reads its own slice")
+        self.iterator_follows_shares(h.optimizer.data_shares)
         h.monitor.shares = h.optimizer.data_shares
 
     def set_batch_size(self, micro_batches: int, micro_batch_size: int) -> None:
@@ -514,29 +523,12 @@ class HorovodApplier:
         if h.optimizer.data_shares is not None:  # a new global batch starts from the equal split
             self.set_data_shares(None)
         if micro_batch_size != h.micro_batch_size:
-            if h.data is not None and hasattr(h.data, "set_micro_batch_size"):
-                h.data.set_micro_batch_size(micro_batch_size)
-            elif h.data is not None:
-                warnings.warn("the micro-batch size changed but the data iterator cannot follow: use "
-                              "pdv_ext.policy.data.ElasticBatches so that no sample is lost or repeated")
+            self.iterator_follows_micro_batch_size(micro_batch_size)
             h.micro_batch_size = int(micro_batch_size)
         h.optimizer.set_backward_passes_per_step(micro_batches)
 
-    def get_lr(self) -> List[float]:
-        return [float(g["lr"]) for g in self.hook.optimizer.param_groups]
-
-    def set_lr(self, lrs) -> None:
-        for g, lr in zip(self.hook.optimizer.param_groups, lrs):
-            g["lr"] = lr
-
     def set_aggregator(self, spec: Any) -> None:
         self.hook.optimizer.set_aggregator(spec)
-
-    def set_gossip_peers(self, peers: int) -> None:
-        agg = self.hook.optimizer.aggregator
-        if not hasattr(agg, "set_peers"):
-            raise ValueError(f"SetGossipPeers: the aggregator '{agg.name}' has no peers (switch to gossip first)")
-        agg.set_peers(peers)
 
 
 def _on_device(obj: Any, device: Optional[torch.device]) -> Any:

@@ -181,13 +181,12 @@ def _user_model(spec: str, args: argparse.Namespace, ap: argparse.ArgumentParser
         if "layers" not in built:
             ap.error(f"--model: '{spec}' returned a dict without 'layers'")
         layers, sample, labels, loss_fn = built["layers"], built.get("input"), built.get("labels"), built.get("loss_fn")
-    elif hasattr(built, "_layer_specs"):  # a PipelineModule: every layer, whatever stage this process holds
-        layers, loss_fn = built._layer_specs, getattr(built, "loss_fn", None)
     elif isinstance(built, (list, tuple)):
         layers = list(built)
     else:
         ap.error(f"--model: '{spec}' returned a {type(built).__name__}; return the list of layers you give "
-                 "PipelineModule(layers=...), a PipelineModule, or a dict with 'layers'")
+                 "PipelineModule(layers=...) or a dict with 'layers' (a built PipelineModule: profile it in your "
+                 "script with pdv_ext.integrations.deepspeed.profile_pipeline)")
     if not layers:
         ap.error(f"--model: '{spec}' returned no layers")
     if sample is None:
@@ -222,7 +221,7 @@ def profile_main(argv: Optional[List[str]] = None) -> int:
         "(--model module:function, the function returning the layer list you give PipelineModule)")
     ap.add_argument("--model", default="gpt", metavar="gpt|mlp|module:function",
                     help="gpt or mlp (the demo models), or module:function returning your model's layers (the list "
-                         "given to PipelineModule(layers=...)), a PipelineModule, or a dict with 'layers' and "
+                         "given to PipelineModule(layers=...)) or a dict with 'layers' and "
                          "optionally 'input', 'labels', 'loss_fn'; the module is looked up on sys.path, then in the "
                          "working directory")
     ap.add_argument("--layers", type=int, default=4, help="transformer blocks (gpt) or hidden layers (mlp)")

@@ -271,3 +271,9 @@ def synthetic_cluster(num_devices: int, per_host: int = 8, generations: Tuple[fl
                       "throughput": generations[h % len(generations)], "memory": memory})
     return Cluster.from_dict({"hosts": hosts, "links": {"intra_host": {"bandwidth": intra, "latency": "5us"},
                                                         "inter_host": {"bandwidth": inter, "latency": "20us"}}})
+
+
+def reference_device(cluster: "Cluster") -> int:
+    """The device whose speed the profile's seconds are in (what `pdv emulate` profiles on): the one whose
+    YAML speed is closest to 1."""
+    return min(range(len(cluster)), key=lambda i: abs(cluster.speed(i) - 1.0))

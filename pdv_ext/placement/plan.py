@@ -9,11 +9,50 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Sequence
 
 from .cluster import Cluster
 from .cost import CostBreakdown, evaluate
 from .profile import Profile
+
+
+def row_major_mapping(num_stages: int, world_size: int) -> List[List[int]]:
+    """DeepSpeed's default placement (PipeDataParallelTopology): stage s holds ranks s*D .. s*D+D-1."""
+    dp = world_size // num_stages
+    return [[s * dp + d for d in range(dp)] for s in range(num_stages)]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a plan puts things: stage boundaries (DeepSpeed's `parts`: stage s holds layers
+    boundaries[s] .. boundaries[s+1]-1) and the rank mapping `[stage][replica] -> global rank`. The one
+    value type for it; `to_dict()` is the `{"boundaries", "rank_mapping"}` form files and messages carry."""
+
+    boundaries: Sequence[int]
+    rank_mapping: Sequence[Sequence[int]]
+
+    def __post_init__(self) -> None:  # plain ints in lists, whatever was passed (tuples, numpy ints)
+        object.__setattr__(self, "boundaries", [int(b) for b in self.boundaries])
+        object.__setattr__(self, "rank_mapping", [[int(r) for r in row] for row in self.rank_mapping])
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Layout":
+        """From a `{"boundaries", "rank_mapping"}` mapping (a plan JSON, a checkpoint's meta) or any object
+        with those attributes (a Plan, a Replan action)."""
+        if isinstance(d, dict):
+            return cls(d["boundaries"], d["rank_mapping"])
+        return cls(d.boundaries, d.rank_mapping)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"boundaries": list(self.boundaries), "rank_mapping": [list(r) for r in self.rank_mapping]}
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.rank_mapping)
+
+    @property
+    def replicas(self) -> int:
+        return len(self.rank_mapping[0]) if self.rank_mapping else 0
 
 
 @dataclass
@@ -32,6 +71,10 @@ class Plan:
     @property
     def num_stages(self) -> int:
         return len(self.rank_mapping)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.boundaries, self.rank_mapping)
 
     @classmethod
     def scored(cls, profile: Profile, cluster: Cluster, boundaries: Sequence[int], groups: Sequence[Sequence[int]],

@@ -723,13 +723,11 @@ def _detach(x: Any) -> Any:
 
 
 def profile_module(module: Any, sample_input: Any, reps: int = 5, progress: bool = False,
-                   labels: Any = None) -> Profile:
-    """Profile a `PipelineModule` (all its layer specs, whatever the local stage holds); with `labels`, the
-    last layer's time includes the module's `loss_fn`."""
-    specs = getattr(module, "_layer_specs", None)
-    if specs is None:
-        raise TypeError("profile_module needs a deepspeed PipelineModule (or call profile_layers with a list)")
-    return profile_layers(specs, sample_input, reps=reps, progress=progress,
+                   labels: Any = None, *, layers: Sequence[Any]) -> Profile:
+    """Profile a `PipelineModule` whose layer specs (all of them, whatever the local stage holds) are
+    `layers` (`pdv_ext.integrations.deepspeed.profile_pipeline` passes them); with `labels`, the last
+    layer's time includes the module's `loss_fn`."""
+    return profile_layers(list(layers), sample_input, reps=reps, progress=progress,
                           loss_fn=getattr(module, "loss_fn", None), labels=labels)
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 from ..config_base import ConfigError
 from .cluster import Cluster
 from .profile import Profile, ProfileMemoryError, profile_module
+from .plan import Layout
 
 
 def _sample_input(pl: Any):
@@ -25,7 +26,7 @@ def _sample_input(pl: Any):
     return torch.randn(*pl.input_shape)
 
 
-def load_or_profile(module: Any, pl: Any) -> Profile:
+def load_or_profile(module: Any, pl: Any, layers: Sequence[Any]) -> Profile:
     """The profile named by `pl.profile`, or a fresh one (saved to `pl.profile` when it names a new file)."""
     if pl.profile and os.path.exists(pl.profile):
         try:
@@ -33,7 +34,7 @@ def load_or_profile(module: Any, pl: Any) -> Profile:
         except ConfigError as exc:  # its lines name the file and the key
             raise ConfigError([f"pdv.placement.profile: {e}" for e in exc.errors]) from exc
     try:
-        prof = profile_module(module, _sample_input(pl), reps=pl.profile_reps)
+        prof = profile_module(module, _sample_input(pl), reps=pl.profile_reps, layers=layers)
     except ProfileMemoryError as exc:
         raise ConfigError([f"pdv.placement.profile: not given, and the model cannot be profiled at start-up: {exc}"]) from exc
     if pl.profile:
@@ -50,18 +51,19 @@ def load_cluster(path: str, key: str = "pdv.placement.cluster") -> Cluster:
         raise ConfigError([f"{key}: {line}" for line in exc.errors]) from exc
 
 
-def make_plan(module: Any, pl: Any, world_size: int, micro_batches: Optional[int] = None) -> Dict[str, Any]:
-    """Rank 0's work: cluster + profile + solver -> plan dict."""
+def make_plan(module: Any, pl: Any, world_size: int, micro_batches: Optional[int] = None, *,
+              layers: Sequence[Any]) -> Dict[str, Any]:
+    """Rank 0's work: cluster + profile + solver -> plan dict (`layers`: the module's layer specs)."""
     from .solvers import solve
 
     cluster = load_cluster(pl.cluster)
     if len(cluster) != world_size:
         raise ConfigError([f"pdv.placement.cluster: '{pl.cluster}' describes {len(cluster)} devices but the job "
                            f"has {world_size} ranks"])
-    prof = load_or_profile(module, pl)
-    if len(prof) != len(module._layer_specs):
+    prof = load_or_profile(module, pl, layers)
+    if len(prof) != len(layers):
         raise ConfigError([f"pdv.placement.profile: has {len(prof)} layers but the model has "
-                           f"{len(module._layer_specs)}"])
+                           f"{len(layers)}"])
     stages = pl.num_stages or module.num_stages
     mb = pl.micro_batches or micro_batches or 2 * stages
     plan = solve(pl.solver, prof, cluster, stages, mb, schedule=pl.schedule, aggregator=pl.aggregator,
@@ -94,13 +96,15 @@ def on_rank0(fn: Any, what: str) -> Any:
     return got["ok"]
 
 
-def plan_for_module(module: Any, placement_cfg: Any, micro_batches: Optional[int] = None) -> Dict[str, Any]:
-    """Plan on rank 0, broadcast, return the same plan dict on every rank (also kept as `module._pdv_plan`)."""
+def plan_for_module(module: Any, placement_cfg: Any, micro_batches: Optional[int] = None, *,
+                    layers: Sequence[Any]) -> Dict[str, Any]:
+    """Plan on rank 0, broadcast, return the same plan dict on every rank (also kept as `module._pdv_plan`);
+    `layers` are the module's layer specs (every stage's)."""
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else (
         1 if module is None else module.world_size)
-    plan = on_rank0(lambda: make_plan(module, placement_cfg, world, micro_batches), "placement planning")
+    plan = on_rank0(lambda: make_plan(module, placement_cfg, world, micro_batches, layers=layers), "placement planning")
     if module is not None:
         module._pdv_plan = plan  # the start-up summary reports its solver and predicted step time
     return plan
@@ -117,6 +121,6 @@ def read_plan(path: str) -> Dict[str, Any]:
             raise ConfigError([f"pdv.placement.plan: cannot read plan '{path}': {exc}"]) from exc
         if not isinstance(plan, dict) or plan.get("boundaries") is None or plan.get("rank_mapping") is None:
             raise ConfigError([f"pdv.placement.plan: '{path}' has no 'boundaries'/'rank_mapping'"])
-        return {"boundaries": plan["boundaries"], "rank_mapping": plan["rank_mapping"]}
+        return Layout.from_dict(plan).to_dict()
 
     return on_rank0(read, "reading the placement plan")

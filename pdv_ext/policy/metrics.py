@@ -5,7 +5,7 @@ what reveals a straggler: wall times are equalised by the collectives), the sums
 and of its aggregated gradients, the loss, and what the aggregator reported — and ONE all-gather over
 the world makes them known everywhere. From them: samples/s, per-rank times, and the gradient noise
 scale (pdv_ext.policy.gns). Rank 0 writes `metrics.csv` (and TensorBoard events when `tensorboard` is
-importable). Framework-independent: it takes a Comm; the DeepSpeed glue (pdv_ext.policy.engine) feeds
+importable). Framework-independent: it takes a Comm; the DeepSpeed glue (pdv_ext.integrations.deepspeed.glue) feeds
 it from grad hooks, Horovod from its optimizer hook.
 """
 from __future__ import annotations

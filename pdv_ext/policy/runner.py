@@ -1,7 +1,7 @@
 """The PolicyRunner: rank 0 decides, every rank applies the same actions at the same step boundary.
 
 Independent of DeepSpeed: it takes a world `Comm` and an *applier* — the object that knows how to change
-batch size, LR and aggregator in a given framework (pdv_ext.policy.engine.EngineApplier for DeepSpeed's
+batch size, LR and aggregator in a given framework (pdv_ext.integrations.deepspeed.glue.EngineApplier for DeepSpeed's
 pipeline engine; Horovod has its own). Per step, after the Monitor's all-gather (metrics are identical
 on all ranks), rank 0 asks each enabled policy, resolves what depends on rank-local state (the LR
 factor), and broadcasts one small message; when there is nothing to do it costs one broadcast of one

@@ -64,7 +64,7 @@ def build(mode: str, plan: Dict[str, Any], pdv: Optional[dict] = None, tied: boo
 
 def whole_state(engine) -> Dict[str, Dict[str, torch.Tensor]]:
     """Every parameter of this rank's stage, whole (weight, master, optimizer and aggregator state) by name."""
-    from pdv_ext.placement.checkpoint import local_entries
+    from pdv_ext.integrations.deepspeed.checkpoint import local_entries
 
     states, _ = local_entries(engine)
     return {n: {k: v.float().clone() for k, v in s.tensors().items()} for n, s in states.items()}
@@ -92,7 +92,7 @@ def failing_moves(engine, plan_b: Dict[str, Any], failures: List[Dict[str, Any]]
     rank saw."""
     import torch.distributed as dist
 
-    from pdv_ext.placement.move import MoveError, move_engine
+    from pdv_ext.integrations.deepspeed.move import MoveError, move_engine
 
     seen = []
     for f in failures:
@@ -121,7 +121,7 @@ def scenario(mode: str, plan_a: Dict[str, Any], plan_b: Dict[str, Any], ckpt: st
     loads "k" and trains 1 + n steps ("static": the run that never moved)."""
     import torch.distributed as dist
 
-    from pdv_ext.placement.move import move_engine
+    from pdv_ext.integrations.deepspeed.move import move_engine
 
     eng, data = build(mode, plan_a, pdv, tied)
     out: Dict[str, Any] = {"rank": dist.get_rank()}

@@ -56,7 +56,7 @@ def train_shares(mode: str, runs: List[Dict[str, Any]], steps: int = 2, stages: 
     import pdv_ext
     from pdv_ext.models import mlp_layers, seed_layer
     from pdv_ext.policy.data import ElasticBatches
-    from pdv_ext.policy.engine import EngineApplier
+    from pdv_ext.integrations.deepspeed.glue import EngineApplier
 
     from tests.integration.engine_mode_workers import input_dtype, mode_config
 
@@ -115,7 +115,7 @@ def resume_with_shares(ckpt_dir: str, steps: int = 5, save_at: int = 3, stages: 
     import pdv_ext
     from pdv_ext.models import mlp_layers, seed_layer
     from pdv_ext.policy.data import ElasticBatches
-    from pdv_ext.policy.engine import EngineApplier
+    from pdv_ext.integrations.deepspeed.glue import EngineApplier
 
     from tests.integration.engine_mode_workers import mode_config
 

@@ -69,7 +69,7 @@ def test_checkpoint_with_unequal_shares_resumes_exactly(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_policys_replan_moves_the_running_pipeline():
     """The Replan action end to end: decided by a plugin, agreed by the runner, applied inside train_batch by
-    pdv_ext.placement.move, twice (the second move to other boundaries on another rank order); the user's
+    pdv_ext.integrations.deepspeed.move, twice (the second move to other boundaries on another rank order); the user's
     engine object trains on - its step counter, the policies' metrics and DeepSpeed's p2p grid follow it -
     within rounding of the run that did not move."""
     res = run_ranks("tests.integration.shares_workers:replan_by_action", 4, {}, timeout=280)

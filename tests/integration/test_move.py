@@ -1,5 +1,5 @@
-"""Moving a running pipeline (pdv_ext.placement.move) and resuming a checkpoint under another plan
-(pdv_ext.placement.checkpoint), on 4 real ranks (gloo, CPU).
+"""Moving a running pipeline (pdv_ext.integrations.deepspeed.move) and resuming a checkpoint under another plan
+(pdv_ext.integrations.deepspeed.checkpoint), on 4 real ranks (gloo, CPU).
 
 Per precision mode: k steps under plan A, checkpoint; move to plan B in the same processes and train
 on ("moved"); a fresh plan-B engine loads the checkpoint and trains ("resumed"); a fresh plan-A engine

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from pdv_ext.config_base import ConfigError
-from pdv_ext.integrations.deepspeed import follow_rebuild, parameter_names
+from pdv_ext.integrations.deepspeed.engine import follow_rebuild, parameter_names
 
 
 def stage(indices):

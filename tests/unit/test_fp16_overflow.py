@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pdv_ext.aggregation import build_aggregator
-from pdv_ext.integrations.deepspeed import PDVPipelineEngine, loss_scale_overflow
+from pdv_ext.aggregation.faults import loss_scale_overflow
+from pdv_ext.integrations.deepspeed import PDVPipelineEngine
 from tests.threadcomm import run_threads
 
 

@@ -163,3 +163,59 @@ def test_finds_loops_through_functions_relative_imports_and_package_names(tmp_pa
     assert loops == [["pdv_ext.config", "pdv_ext.policy.config"], ["pdv_ext.solvers", "pdv_ext.solvers.dp"]]
     text = describe(loops[0], edges)
     assert "pdv_ext/policy/config.py:2: pdv_ext.policy.config imports pdv_ext.config" in text
+
+
+# ---------------------------------------------------------------------------------------------------
+# Folders (issue #34): no circle between them, and the floors run one way
+# ---------------------------------------------------------------------------------------------------
+#: folders that know no engine, no benchmark and no playground (DESIGN.md: "placement and policy never
+#: import integrations or bench"): they meet DeepSpeed and Horovod only through protocols
+LOWER_FLOORS = ("aggregation", "comm", "kernels", "placement", "policy", "config", "config_base", "registry", "log")
+UPPER_FLOORS = ("integrations", "bench", "emulate", "cli", "examples")
+
+
+def folder_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def folder_edges(edges: List[Edge]) -> List[Edge]:
+    return [(folder_of(a), folder_of(b), where) for a, b, where in edges if folder_of(a) != folder_of(b)]
+
+
+def climbs(edges: List[Edge]) -> List[str]:
+    """Imports from a lower floor into an upper one, and from the playground (emulate) into the benchmarks."""
+    out = []
+    for a, b, where in folder_edges(edges):
+        if (a in LOWER_FLOORS and b in UPPER_FLOORS) or (a == "emulate" and b in ("bench", "cli")):
+            out.append(f"{where}: {a} imports {b}")
+    return sorted(out)
+
+
+def test_folders_have_no_circles_and_no_climbs():
+    edges = import_edges(PACKAGE_DIR)
+    loops = import_loops(folder_edges(edges))
+    assert not loops, "import circles between pdv_ext's folders:\n" + "\n".join(
+        describe(loop, folder_edges(edges)) for loop in loops)
+    bad = climbs(edges)
+    assert not bad, ("imports that climb a floor (placement, policy, aggregation know DeepSpeed and Horovod only "
+                     "through protocols; integrations/deepspeed holds what touches an engine):\n  " + "\n  ".join(bad))
+
+
+def test_folder_rule_catches_a_climb_and_a_circle(tmp_path):
+    pkg = _package(tmp_path, {
+        "__init__.py": "",
+        "placement/__init__.py": "",
+        "placement/move.py": "def f():\n    from ..integrations.deepspeed import engine\n",
+        "integrations/__init__.py": "",
+        "integrations/deepspeed/__init__.py": "",
+        "integrations/deepspeed/engine.py": "from ...placement import move\n",
+        "emulate/__init__.py": "",
+        "emulate/timer.py": "from ..bench.placement import reference_device\n",
+        "bench/__init__.py": "",
+        "bench/placement.py": "from ..emulate import timer\n",
+    })
+    edges = import_edges(pkg)
+    assert climbs(edges) == ["pdv_ext/emulate/timer.py:1: emulate imports bench",
+                             "pdv_ext/placement/move.py:2: placement imports integrations"]
+    assert import_loops(folder_edges(edges)) == [["bench", "emulate"], ["integrations", "placement"]]

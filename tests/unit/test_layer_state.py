@@ -1,4 +1,4 @@
-"""pdv_ext.placement.layer_state on its data structures, in one process: partitioned flat optimizer state
+"""pdv_ext.placement.layer_state and pdv_ext.integrations.deepspeed.layer_state on their data structures, in one process: partitioned flat optimizer state
 cut into whole parameters and re-cut for another partition (threads stand in for data-parallel ranks),
 FP16_Optimizer's flat fp32 copies and loss scaler (DeepSpeed refuses fp16 on CPU engines, its optimizer
 class builds fine), the aggregator's per-parameter state, names and layers."""
@@ -13,9 +13,10 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 from torch import nn
 
 from pdv_ext.aggregation import build_aggregator
-from pdv_ext.placement.layer_state import (FlatLayout, ParamState, _Fragment, _int_view, apply_scaler_state,
-                                           join_aggregator_state, layers_of, layout_of, scaler_state,
-                                           split_aggregator_state, stages_owning)
+from pdv_ext.integrations.deepspeed.layer_state import (FlatLayout, _Fragment, _int_view, apply_scaler_state,
+                                                       join_aggregator_state, layers_of, layout_of, scaler_state,
+                                                       split_aggregator_state)
+from pdv_ext.placement.layer_state import ParamState, stages_owning
 from pdv_ext.policy.data import ElasticBatches
 
 

@@ -32,7 +32,8 @@ links:
 
 
 def test_probed_cluster_keeps_names_hosts_memory_and_takes_measured_speeds_and_links(tmp_path):
-    from pdv_ext.bench.placement import _probed_cluster, reference_device
+    from pdv_ext.bench.placement import _probed_cluster
+    from pdv_ext.placement.cluster import reference_device
     from pdv_ext.placement.profile import LayerProfile, Profile
 
     path = tmp_path / "probed.yaml"

@@ -148,7 +148,7 @@ class FakeEvent:
 def test_device_timed_compute_is_read_once_per_window(monkeypatch):
     """GPU ranks time forward/backward with CUDA events (the host clock would time the launches): the
     events of a window are read on its reporting step; every step's end waits for the device."""
-    from pdv_ext.policy.engine import _timed
+    from pdv_ext.integrations.deepspeed.glue import _timed
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     FakeEvent.synced.clear()
@@ -189,7 +189,7 @@ def test_a_checkpoint_between_agreement_steps_pickles_without_events(monkeypatch
     """CUDA events do not pickle: the window's spans are folded into seconds before its state is saved."""
     import pickle
 
-    from pdv_ext.policy.engine import _timed
+    from pdv_ext.integrations.deepspeed.glue import _timed
 
     class Unpicklable(FakeEvent):
         def __reduce__(self):

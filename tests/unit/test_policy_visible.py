@@ -11,7 +11,7 @@ from deepspeed.runtime.pipe import schedule
 from pdv_ext.comm.base import LocalComm
 from pdv_ext.log import logger
 from pdv_ext.policy import Policy, SetBatchSize, SetLearningRate
-from pdv_ext.policy import engine as glue_module
+from pdv_ext.integrations.deepspeed import glue as glue_module
 from pdv_ext.placement.config import PlacementConfig
 from pdv_ext.policy.config import PolicyConfig
 from pdv_ext.policy.runner import PolicyRunner

@@ -9,7 +9,7 @@ import pytest
 
 from pdv_ext.aggregation import build_aggregator
 from pdv_ext.config import load_pdv
-from pdv_ext.integrations import summary as S
+from pdv_ext.integrations.deepspeed import summary as S
 
 
 class PDVPipelineEngine(SimpleNamespace):
@@ -128,7 +128,7 @@ def test_args_deepspeed_config_is_hidden_only_while_deepspeed_initialize_runs(tm
     import torch
     from argparse import Namespace
 
-    import pdv_ext.integrations.deepspeed as D
+    import pdv_ext.integrations.deepspeed.engine as D
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "pdv": {}}))

@@ -6,14 +6,13 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from ..plan import Plan
+from ..plan import Plan, row_major_mapping
 from .base import divisors_widths, register_solver
 
 
 def row_major_groups(num_devices: int, num_stages: int) -> List[List[int]]:
     """Stage s holds ranks s*w .. s*w+w-1 (DeepSpeed's PipeDataParallelTopology)."""
-    w = num_devices // num_stages
-    return [[s * w + d for d in range(w)] for s in range(num_stages)]
+    return row_major_mapping(num_stages, num_devices)
 
 
 def _stages(cluster: Any, profile: Any, num_stages: Optional[int]) -> int:

@@ -21,6 +21,7 @@ from pydantic import Field
 from ...config_base import StrictModel
 from ..base import Action, Policy, SetDataShares, register_policy
 from ..shares import best_shares, predicted_step
+from ..smoothing import ema, patient
 
 
 @register_policy("rebalance")
@@ -69,11 +70,7 @@ class Rebalance(Policy):
         self.seen += 1
         if self.seen <= self.options.warmup_steps:
             return []
-        a = self.options.ema
-        if self.times is None or len(self.times) != len(times):
-            self.times = list(times)
-        else:
-            self.times = [a * old + (1.0 - a) * new for old, new in zip(self.times, times)]
+        self.times = ema(self.times, times, self.options.ema)
         shares = [int(n) for n in metrics["data_shares"]]
         stages = max(metrics.get("stage_of_rank") or [0]) + 1
         best = best_shares(self.times, sum(shares), stages, self.options.min_share)
@@ -86,11 +83,11 @@ class Rebalance(Policy):
             return []
         # the streak counts agreement steps on which *a* change pays: while the smoothed times catch up with
         # a slowdown the best split may still move by a micro-batch, the latest one is taken
-        self.streak += 1
+        self.streak, act = patient(self.streak, self.options.patience)
         self.wanted = best
-        if self.streak < self.options.patience:
+        if not act:
             return []
-        self.streak, self.wanted = 0, None
+        self.wanted = None
         self.decisions.append({"step": int(metrics["step"]), "shares": best, "predicted_before": now + rest,
                                "predicted_after": then + rest, "times": list(self.times)})
         return [SetDataShares(None if len(set(best)) == 1 else tuple(best))]

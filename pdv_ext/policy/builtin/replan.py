@@ -51,9 +51,11 @@ from ...config_base import StrictModel
 from ...placement.cluster import Cluster
 from ...placement.cost import evaluate
 from ...placement.profile import Profile
+from ...placement.plan import Layout
 from ...placement.solvers import solve
 from ..base import Action, Policy, Replan, SetDataShares, TrainContext, register_policy
 from ..shares import best_shares
+from ..smoothing import ema, patient
 
 
 @register_policy("replan")
@@ -130,7 +132,7 @@ class ReplanPolicy(Policy):
             raise ValueError("replan: this framework has no pipeline placement to re-plan")
         self.placement = dict(pl)
         if self.plan is None:
-            self.plan = {"boundaries": list(pl["boundaries"]), "rank_mapping": [list(r) for r in pl["rank_mapping"]]}
+            self.plan = Layout.from_dict(pl).to_dict()
         if self.start_stages is None:
             self.start_stages = len(self.plan["rank_mapping"])
 
@@ -205,11 +207,10 @@ class ReplanPolicy(Policy):
         if self.seen <= self.options.warmup_steps:
             self.ratios = self.step_ema = None
             return []
-        a = self.options.ema
-        self.ratios = ratios if self.ratios is None else [a * o + (1 - a) * n for o, n in zip(self.ratios, ratios)]
+        self.ratios = ema(self.ratios, ratios, self.options.ema)
         step_time = float(metrics.get("step_time") or 0.0)
         if step_time > 0:
-            self.step_ema = step_time if self.step_ema is None else a * self.step_ema + (1 - a) * step_time
+            self.step_ema = ema(self.step_ema, step_time, self.options.ema)
         calib = statistics.median(self.ratios)  # the model's seconds -> this run's seconds
         off = [rho / calib for rho in self.ratios]
         lim = math.log(self.options.threshold)
@@ -232,17 +233,15 @@ class ReplanPolicy(Policy):
                     or self.step_ema <= model_step * self.step_calib * self.options.step_tolerance):
                 self.streak = 0
                 return []
-            self.streak += 1
-            if self.streak < self.options.patience:
+            self.streak, act = patient(self.streak, self.options.patience)
+            if not act:
                 return []
-            self.streak = 0
             before = self._effective(self.throughputs)
             self._fit_step(sorted(self.slow_load), shares)
             return self._choose(metrics, list(self.throughputs), self.step_calib, before)
-        self.streak += 1
-        if self.streak < self.options.patience:
+        self.streak, act = patient(self.streak, self.options.patience)
+        if not act:
             return []
-        self.streak = 0
         # the cluster model follows the measurement for the devices that are off
         measured = [min(t / f, float(d.throughput)) if abs(math.log(f)) > lim else t
                     for t, f, d in zip(self.throughputs, off, self.cluster.devices)]
@@ -391,7 +390,7 @@ class ReplanPolicy(Policy):
                   f"{after:.3f} s, saving {saving:.1f} s over {remaining} steps > move cost {cost:.1f} s ({cost_kind})")
         record.update(kind="replan", boundaries=new.boundaries, rank_mapping=new.rank_mapping, reason=reason)
         self.decisions.append(record)
-        self.plan = {"boundaries": list(new.boundaries), "rank_mapping": [list(r) for r in new.rank_mapping]}
+        self.plan = new.layout.to_dict()
         self.ratios, self.seen, self.step_ema = None, 0, None  # new layers on every device: measure afresh
         # the new plan was chosen for equal shares (a move to another depth starts from them anyway)
         equal = [SetDataShares(None)] if len(set(metrics["data_shares"])) > 1 and depth == stages else []
@@ -409,9 +408,7 @@ class ReplanPolicy(Policy):
         self.plan, self.ratios = state.get("plan"), state.get("ratios")
         self.seen, self.streak = int(state.get("seen", 0)), int(state.get("streak", 0))
         self.throughputs = state.get("throughputs")
-        # a state saved before the ratios were kept has only their smoothed value
-        old = [state["step_calib"]] if state.get("step_calib") else []
-        self.calm_ratios = [float(x) for x in state.get("calm_ratios") or old]
+        self.calm_ratios = [float(x) for x in state.get("calm_ratios") or []]
         self.decisions = list(state.get("decisions", []))
         self.slow_load = {int(r): float(w) for r, w in (state.get("slow_load") or {}).items()}
         self.step_ema = state.get("step_ema")

@@ -1,14 +1,12 @@
 """DeepSpeed integration: `initialize`, `PDVPipelineEngine`, explicit stage boundaries and rank mapping.
 
-DeepSpeed's pipeline engine dispatches schedule instructions through the class-level dict
-`PipelineEngine._INSTRUCTION_MAP`, which holds the *base class's* functions: overriding
-`_exec_reduce_grads` in a subclass is never called. We rebuild the map with our ReduceGrads handler
-(DeepSpeed's DualPipeVEngine does the same). Tied-weight reduction stays DeepSpeed's.
+The engine's ReduceGrads instruction runs `PDVPipelineEngine.pdv_reduce_grads` (the instruction map is
+rebuilt in internals.EngineSeam, the one place that names DeepSpeed's private parts). Tied-weight
+reduction stays DeepSpeed's.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -16,22 +14,21 @@ from torch import nn
 import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.config import DeepSpeedConfig
-from deepspeed.runtime.pipe import schedule
-from deepspeed.runtime.pipe.engine import MEMORY_OPT_ALLREDUCE_SIZE, PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
-from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
-from ..aggregation import Aggregator, bind_group, build_aggregator
-from ..aggregation.faults import loss_scale_overflow
-from ..comm import TorchComm, host_twin
-from ..config import ConfigError, PDVConfig, split_config
-from ..log import apply_log_level
-from ..placement.checkpoint import load_layer_checkpoint, plan_of, read_meta, save_layer_checkpoint
-from ..placement.move import move_engine
-from ..policy.engine import begin_step, build_glue, load_state, save_state
-from .instruction_map import wrap_instructions  # noqa: F401  (also importable from here, as before)
-from .topology import (MappedTopology, build_stage_layers, current_mapping, link_tied_layers,  # noqa: F401
-                       row_major_mapping)  # (importable from here too)
+from ...aggregation import Aggregator, bind_group, build_aggregator
+from ...aggregation.faults import loss_scale_overflow
+from ...comm import TorchComm, host_twin
+from ...config import ConfigError, PDVConfig, split_config
+from ...log import apply_log_level
+from . import internals
+from .checkpoint import load_layer_checkpoint, plan_of, read_meta, save_layer_checkpoint
+from .glue import begin_step, build_glue
+from .pdv_state import load_state, save_state
+from .move import move_engine
+from .runtime import EngineRuntime, runtime_of
+from .topology import MappedTopology, build_stage_layers, current_mapping, link_tied_layers, module_layout
+from .validation import reduction_params, refresh_validation
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -54,16 +51,13 @@ def apply_placement(module: PipelineModule, boundaries: Optional[Sequence[int]] 
             raise ConfigError([f"pdv.placement.rank_mapping: places {sum(len(r) for r in rows)} ranks but the job "
                                f"has {world}"])
         if rows != current_mapping(module):
-            topo = MappedTopology(rows)
-            module._topo = topo
-            module.num_stages = len(rows)
-            module._grid = PipelineParallelGrid(process_group=module.world_group, topology=topo)
+            internals.set_topology(module, MappedTopology(rows))
             changed = True
-    stage = module._topo.get_coord(module.global_rank).pipe
+    stage = internals.module_topology(module).get_coord(module.global_rank).pipe
     if boundaries is not None:
         parts = [int(b) for b in boundaries]
-        if parts[-1] != module._num_layers:
-            raise ConfigError([f"pdv.placement.boundaries: must end at the layer count {module._num_layers} "
+        if parts[-1] != internals.num_layers(module):
+            raise ConfigError([f"pdv.placement.boundaries: must end at the layer count {internals.num_layers(module)} "
                                f"(got {parts})"])
         if len(parts) - 1 != module.num_stages:
             raise ConfigError([f"pdv.placement.boundaries: describe {len(parts) - 1} stages but the pipeline has "
@@ -89,19 +83,19 @@ def resolve_placement(module: PipelineModule, cfg: PDVConfig) -> Optional[Dict[s
     pl = cfg.placement
     boundaries, mapping = pl.boundaries, pl.rank_mapping
     if pl.plan is not None:
-        from ..placement.startup import read_plan  # read on rank 0, broadcast
+        from ...placement.startup import read_plan  # read on rank 0, broadcast
 
         plan = read_plan(pl.plan)
         boundaries, mapping = plan["boundaries"], plan["rank_mapping"]
     elif pl.cluster is not None:
-        from ..placement.startup import plan_for_module  # planning at start-up (rank 0 plans, broadcasts)
+        from ...placement.startup import plan_for_module  # planning at start-up (rank 0 plans, broadcasts)
 
-        plan = plan_for_module(module, pl)
+        plan = plan_for_module(module, pl, layers=internals.layer_specs(module))
         boundaries, mapping = plan["boundaries"], plan["rank_mapping"]
     if boundaries is None and mapping is None:
         return None
     apply_placement(module, boundaries, mapping)
-    return {"boundaries": [int(b) for b in module.parts], "rank_mapping": current_mapping(module)}
+    return module_layout(module).to_dict()
 
 
 def parameter_names(module: nn.Module) -> Dict[int, Tuple[str, bool]]:
@@ -182,7 +176,7 @@ class GradHook:
         return None
 
 
-class PDVPipelineEngine(PipelineEngine):
+class PDVPipelineEngine(internals.EngineSeam):
     """DeepSpeed's PipelineEngine whose data-parallel gradient reduction is a pluggable Aggregator.
 
     Each stage aggregates over its own data-parallel group (`self.dp_comm`) the gradients DeepSpeed
@@ -211,6 +205,7 @@ class PDVPipelineEngine(PipelineEngine):
             raise ConfigError([f"zero_optimization.stage: {cc.zero_optimization_stage} partitions gradients, which "
                                "DeepSpeed's pipeline engine does not support; use stage 0 or 1 with pipelines"])
         super().__init__(*args, **kwargs)
+        self.pdv_runtime = EngineRuntime()  # pdv's own run-time state (runtime.py)
         self.pdv_config = pdv_config or PDVConfig()
         self.validation_iter = validation_iter
         self.grad_hooks: List[GradHook] = []
@@ -228,10 +223,10 @@ class PDVPipelineEngine(PipelineEngine):
         self._group_replicas = self._replicas_by_group_rank()
         self.set_aggregator(self.pdv_config.aggregation)
         self._set_static_shares()
-        from ..aggregation.faults import install_fault_hooks  # pdv.faults + the NaN/Inf guard
+        from ...aggregation.faults import install_fault_hooks  # pdv.faults + the NaN/Inf guard
 
         install_fault_hooks(self)
-        self.pdv_policy = build_glue(self, carried=pdv_glue)  # pdv.policy (a move, pdv_ext.placement.move, carries its glue over)
+        self.pdv_policy = build_glue(self, carried=pdv_glue)  # pdv.policy (a move carries its glue over)
         self._check_takeover_once()  # the hooks now exist: can `mean` under ZeRO-1 hand them the gradients?
 
     def _check_takeover_once(self) -> None:
@@ -282,13 +277,11 @@ class PDVPipelineEngine(PipelineEngine):
         if getattr(opt, "overlap_comm", False):
             errors.append(f"zero_optimization.overlap_comm: {why} needs it false (the pipeline reduces at the "
                           "step boundary anyway)")
-        compact = getattr(opt, "_use_compact_grad_partition_buffer", None)
-        if compact is not None and any(compact(i) for i in range(len(getattr(opt, "bit16_groups", [])))):
+        if internals.zero_compact_grad_buffers(opt):
             errors.append(f"data_types.grad_accum_dtype: {why} needs the gradient accumulation dtype equal to the "
                           "model's (fp32 accumulation of bf16 weights runs on the BF16 optimizer: leave ZeRO at "
                           "stage 1 with bf16, which DeepSpeed then picks)")
-        if not all(hasattr(opt, a) for a in ("bit16_groups", "get_gradient_for_reduction", "average_tensor",
-                                             "buffered_reduce_fallback")):
+        if not internals.zero_can_hand_over(opt):
             errors.append(f"zero_optimization.stage: {why} needs DeepSpeedZeroOptimizer (got "
                           f"{type(opt).__name__})")
         if errors:
@@ -306,34 +299,16 @@ class PDVPipelineEngine(PipelineEngine):
         """Whether a grad hook needs the full averaged gradients (`GradHook.needs_full_gradients`)."""
         return any(getattr(h, "needs_full_gradients", True) for h in self.grad_hooks)
 
-    @contextlib.contextmanager
-    def _bf16_grads_set_aside(self) -> Iterator[None]:
-        """Zero the BF16 optimizer's gradient buffers for an extra backward pass and put the accumulated
-        gradients back afterwards (the pass adds into those buffers; `.grad` the pass restores itself)."""
-        opt = self.optimizer
-        saved = [f.clone() for f in opt.fp32_groups_gradients_flat]
-        flags = [list(f) for f in opt.fp32_groups_has_gradients]
-        for f in opt.fp32_groups_gradients_flat:
-            f.zero_()
-        try:
-            yield
-        finally:
-            for f, s in zip(opt.fp32_groups_gradients_flat, saved):
-                f.copy_(s)
-            opt.fp32_groups_has_gradients[:] = flags
-
     def _refresh_validation(self) -> None:
-        """Zeno: one validation micro-batch through the pipeline (pdv_ext.aggregation.validation), its
-        gradient handed over as the same tensors, order and dtype as the gradients aggregated."""
-        from ..aggregation.validation import reduction_params, refresh_validation
-
+        """Zeno: one validation micro-batch through the pipeline (validation.py), its gradient handed over
+        as the same tensors, order and dtype as the gradients aggregated."""
         if self.reduce_mode == "engine":  # `.grad` of the module's parameters: the order aggregated
             return refresh_validation(self)
         agg, captured = self.aggregator, []
         agg.set_validation_grads = captured.append  # shadows the method for this call
         try:
             if self.reduce_mode == "bf16":
-                with self._bf16_grads_set_aside():
+                with internals.bf16_grads_set_aside(self.optimizer):
                     refresh_validation(self)
                     if captured:  # the buffers now hold the validation pass's gradients, / the accumulation steps
                         gas = float(self.gradient_accumulation_steps())
@@ -343,8 +318,7 @@ class PDVPipelineEngine(PipelineEngine):
                 if captured:
                     by_param = {id(p): g for p, g in zip(reduction_params(self), captured[0])}
                     captured[0] = [by_param[id(p)].float() if by_param[id(p)].dtype == torch.bfloat16
-                                   else by_param[id(p)] for group in self.optimizer.bit16_groups for p in group
-                                   if p.numel() > 0]
+                                   else by_param[id(p)] for p in internals.zero_parameters(self.optimizer)]
         finally:
             del agg.set_validation_grads  # back to the class's method
         if captured:
@@ -372,13 +346,13 @@ class PDVPipelineEngine(PipelineEngine):
         group = self.grid.get_data_parallel_group()
         ranks = [dist.get_global_rank(group, r) for r in range(self.dp_world_size)] if self.dp_world_size > 1 \
             else [self.global_rank]
-        return [self.grid._topo.get_coord(r).data for r in ranks]
+        return [internals.grid_topology(self.grid).get_coord(r).data for r in ranks]
 
     def _set_static_shares(self) -> None:
         """`pdv.data_shares` at start-up ("equal", a list, or "by_throughput" from the cluster YAML)."""
-        from ..policy.shares import static_shares
+        from ...policy.shares import static_shares
 
-        topo = self.grid._topo
+        topo = internals.grid_topology(self.grid)
         stages, dp = topo.get_dim("pipe"), topo.get_dim("data")
         replica_ranks = [[topo.get_rank(pipe=s, data=d) for s in range(stages)] for d in range(dp)]
         shares = static_shares(self.pdv_config.data_shares, dp, self.total_micro_batches, stages, replica_ranks,
@@ -400,7 +374,7 @@ class PDVPipelineEngine(PipelineEngine):
         the shares must add up to `total_micro_batches`. DeepSpeed scales each replica's gradient by
         1/(its own micro-batches), so every replica's gradient is the mean over its samples; the aggregator
         then weighs the replicas by their samples (`group_samples`)."""
-        from ..policy.shares import check_shares
+        from ...policy.shares import check_shares
 
         dp, total = self.dp_world_size, self.total_micro_batches
         if shares is not None:
@@ -410,16 +384,16 @@ class PDVPipelineEngine(PipelineEngine):
         mine = total // dp if shares is None else shares[self.grid.get_data_parallel_id()]
         self.data_shares = shares
         self.micro_batches = mine
-        self._config.gradient_accumulation_steps = mine  # DeepSpeed's 1/gas gradient scale: this replica's
+        self.set_config_accumulation_steps(mine)  # DeepSpeed's 1/gas gradient scale: this replica's
         if self.reduce_mode == "zero" and shares is not None and self._native_reduce:
             self._check_zero_takeover("mean", why="pdv.data_shares")
 
-    def _scale_loss_by_gas(self, prescaled_loss: Any, eval_micro_batches: Any = None) -> Any:
+    def pdv_scale_loss(self, prescaled_loss: Any) -> Any:
         """The step's reported loss with unequal shares: the mean over every micro-batch of the step (each
         replica's sum x dp / total, which DeepSpeed's all-reduce then divides by dp), not the mean of the
-        replicas' means."""
-        if eval_micro_batches is not None or self.data_shares is None:
-            return super()._scale_loss_by_gas(prescaled_loss, eval_micro_batches=eval_micro_batches)
+        replicas' means. None (DeepSpeed's own scaling) with equal shares."""
+        if self.data_shares is None:
+            return None
         factor = self.dp_world_size / self.total_micro_batches
         if isinstance(prescaled_loss, torch.Tensor):
             return prescaled_loss * factor
@@ -439,36 +413,10 @@ class PDVPipelineEngine(PipelineEngine):
         """The gradients DeepSpeed would all-reduce in this engine's mode, one tensor per parameter, in
         the same order on every rank of the stage (views: writing them changes what the optimizer uses)."""
         if self.reduce_mode == "bf16":
-            opt = self.optimizer
-            return [g.view(p.shape) for lps, gs in zip(opt.bf16_groups, opt.fp32_groups_gradients)
-                    for p, g in zip(lps, gs)]
+            return internals.bf16_gradient_views(self.optimizer)
         if self.reduce_mode == "zero":
-            opt, out = self.optimizer, []
-            for group in opt.bit16_groups:
-                for p in group:
-                    if p.numel() == 0:
-                        continue
-                    g = opt.get_gradient_for_reduction(p)
-                    if g is None:  # every rank must reduce the same tensors (DeepSpeed's own rule)
-                        if getattr(opt, "use_grad_accum_attribute", False):
-                            p.grad_accum = torch.zeros_like(p, dtype=opt.gradient_accumulation_dtype)
-                        else:
-                            p.grad = torch.zeros_like(p)
-                        g = opt.get_gradient_for_reduction(p)
-                    out.append(g)
-            return out
-        return self._get_gradients_for_reduction()[0]
-
-    def _zero_partition_without_comm(self) -> None:
-        """ZeRO-1's reduce_gradients with its communication switched off: the gradients already hold
-        the aggregate, ZeRO copies this rank's partition into its averaged-gradient buffers as usual."""
-        opt = self.optimizer
-        opt.average_tensor = lambda tensor, *a, **k: tensor
-        opt.buffered_reduce_fallback = lambda *a, **k: None
-        try:
-            self.allreduce_gradients(bucket_size=MEMORY_OPT_ALLREDUCE_SIZE)
-        finally:
-            del opt.average_tensor, opt.buffered_reduce_fallback  # back to the class's methods
+            return internals.zero_reduction_gradients(self.optimizer)
+        return self.engine_mode_gradients()
 
     def _native_mean(self) -> None:
         """DeepSpeed's own reduction (`mean` in "bf16"/"zero" mode); in "bf16" mode the grad hooks see the
@@ -481,28 +429,26 @@ class PDVPipelineEngine(PipelineEngine):
             for g, s in zip(grads, seen):
                 if s is not g:
                     g.copy_(s)
-        PipelineEngine._exec_reduce_grads(self)
+        self.deepspeed_reduce_grads()
         if grads is not None:
             for hook in self.grad_hooks:
                 hook.after(self, grads)
 
-    def _exec_pdv_reduce_grads(self) -> None:
+    def pdv_reduce_grads(self) -> None:
+        """The ReduceGrads instruction: DeepSpeed's own reduction or the aggregator's."""
         if not self.pipeline_enable_backward_allreduce:
-            return PipelineEngine._exec_reduce_grads(self)
+            return self.deepspeed_reduce_grads()
         if self.uses_deepspeed_reduction:
             return self._native_mean()
         self._check_takeover_once()  # a hook appended after start-up
         # the aggregator takes over (under ZeRO-1 also `mean` while a hook watches the gradients: ZeRO
         # leaves only this rank's partition reduced, the hooks need the whole average)
-        self._force_grad_boundary = True
-        try:
+        with self.grad_boundary_forced(True):
             self._aggregate_in_place(self.reduction_grads())
             if self.reduce_mode == "zero":
-                self._zero_partition_without_comm()
-        finally:
-            self._force_grad_boundary = False
+                internals.zero_partition_without_comm(self)
 
-    # -- policies and checkpoints (the logic lives in pdv_ext.policy.engine) -------------------------
+    # -- policies and checkpoints (the logic lives in glue.py, pdv_state.py) -------------------------
     def train_batch(self, data_iter: Any = None) -> Any:
         glue = begin_step(self, data_iter)
         loss = super().train_batch(data_iter=data_iter)
@@ -512,12 +458,12 @@ class PDVPipelineEngine(PipelineEngine):
 
     def move_to(self, boundaries: Sequence[int], rank_mapping: Sequence[Sequence[int]], **kwargs: Any) -> Any:
         """Move this running pipeline to new stage boundaries and rank placement, in these processes
-        (collective, at a step boundary; `pdv_ext.placement.move.move_engine`). Returns the MoveReport."""
+        (collective, at a step boundary; `move.move_engine`). Returns the MoveReport."""
         return move_engine(self, boundaries, rank_mapping, **kwargs)
 
     def save_checkpoint(self, save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed's checkpoint plus pdv's state (aggregator, batch size, policies, data position), and the
-        same state keyed by layer, which any other plan can load (pdv_ext.placement.checkpoint)."""
+        same state keyed by layer, which any other plan can load (checkpoint.py)."""
         out = super().save_checkpoint(save_dir, tag, *args, **kwargs)
         save_state(self, save_dir, tag)
         save_layer_checkpoint(self, save_dir, tag, kwargs.get("client_state", args[0] if args else None))
@@ -539,11 +485,6 @@ class PDVPipelineEngine(PipelineEngine):
         if out[0] is not None:
             load_state(self, load_dir, tag)
         return out
-
-    _INSTRUCTION_MAP = {
-        **PipelineEngine._INSTRUCTION_MAP,
-        schedule.ReduceGrads: _exec_pdv_reduce_grads,
-    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -589,7 +530,7 @@ def initialize(args: Any = None,
     `PipelineModule` it is hidden (set to None) only while `deepspeed.initialize` runs, which refuses it
     beside the config dict pdv hands over. At the end, rank 0 logs what pdv_ext set up (engine, aggregator
     per stage, placement, policies, init search) at INFO through pdv_ext's logger (`pdv_ext.log`,
-    `pdv_ext.integrations.summary`).
+    `pdv_ext.integrations.deepspeed.summary`).
     """
     if config is None and config_params is not None:
         config = config_params
@@ -632,20 +573,21 @@ def initialize(args: Any = None,
     model._pdv_placement = resolve_placement(model, pdv_cfg)
     model_parameters = follow_rebuild(model, before, model_parameters, optimizer)
     if pdv_cfg.init_search.enabled:  # before the engine: optimizer and master weights start from the winner
-        from ..init_search import search_pipeline_init
+        from ...init_search import search_pipeline_init
 
-        model._pdv_init_search = search_pipeline_init(model, init_search_iter, pdv_cfg.init_search)
+        model._pdv_init_search = search_pipeline_init(model, init_search_iter, pdv_cfg.init_search,
+                                                      layers=internals.layer_specs(model))
     config_class = DeepSpeedConfig(ds_config, model.mpu())
     deepspeed.set_optimizer_flags(config_class, model)
     engine = PDVPipelineEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                training_data=training_data, lr_scheduler=lr_scheduler, mpu=model.mpu(),
                                dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
                                config_class=config_class, pdv_config=pdv_cfg, validation_iter=validation_iter)
-    engine._configure_python_gc()
-    # what a move (pdv_ext.placement.move) rebuilds the engine from, in the same processes
-    engine._pdv_build = {"args": args, "optimizer": optimizer, "model_parameters": model_parameters,
-                         "training_data": training_data, "lr_scheduler": lr_scheduler, "collate_fn": collate_fn,
-                         "dist_init_required": dist_init_required, "config": ds_config}
+    internals.configure_python_gc(engine)
+    # what a move (move.py) rebuilds the engine from, in the same processes
+    runtime_of(engine).build = {"args": args, "optimizer": optimizer, "model_parameters": model_parameters,
+                                "training_data": training_data, "lr_scheduler": lr_scheduler,
+                                "collate_fn": collate_fn, "dist_init_required": dist_init_required, "config": ds_config}
     from .summary import log_startup  # rank 0 logs what pdv_ext set up (one small collective)
     log_startup(engine, pdv_cfg)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -37,17 +37,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.config import DeepSpeedConfig
-from deepspeed.runtime.pipe import p2p
-from deepspeed.runtime.pipe.topology import PipelineParallelGrid
-from deepspeed.utils import groups as ds_groups
 
-from ..config_base import ConfigError
-from ..integrations.topology import MappedTopology, build_stage_layers, link_tied_layers
-from ..policy.engine import apply_state
+from ...config_base import ConfigError
+from ...placement.layer_state import ParamState, is_aggregator_key, stages_owning
+from ...placement.plan import Layout
+from . import internals
 from .checkpoint import local_entries, plan_of, rebased_pdv_state
-from .layer_state import ParamState, apply_global_state, apply_params, global_state, layers_of, stages_owning
-
-PHASES = ("check", "collect", "transfer", "build", "engine")
+from .layer_state import apply_global_state, apply_params, global_state, layers_of
+from .pdv_state import apply_state
+from .runtime import runtime_of
+from .topology import MappedTopology, build_stage_layers, link_tied_layers
 
 
 class MoveError(RuntimeError):
@@ -117,9 +116,9 @@ def _agreed(phase: str, fn: Callable[[], Any], hook: Optional[Callable[[str], No
 # ---------------------------------------------------------------------------------------------------
 def _checked_plan(engine: Any, boundaries: Sequence[int], rank_mapping: Sequence[Sequence[int]]) -> Dict[str, Any]:
     """The new plan, validated (ConfigError naming the key)."""
-    if not hasattr(engine, "_pdv_build") or not hasattr(engine, "reduction_grads"):
+    if not getattr(getattr(engine, "pdv_runtime", None), "build", None) or not hasattr(engine, "reduction_grads"):
         raise ConfigError(["engine: move_engine needs a PDVPipelineEngine built by pdv_ext.initialize"])
-    n = int(engine.module._num_layers)
+    n = internals.num_layers(engine.module)
     try:
         parts = [int(b) for b in boundaries]
         rows = [[int(r) for r in row] for row in rank_mapping]
@@ -142,7 +141,7 @@ def _checked_plan(engine: Any, boundaries: Sequence[int], rank_mapping: Sequence
         if rows and tbs % (mbs * len(rows[0])):
             errors.append(f"rank_mapping: {len(rows[0])} replicas per stage cannot keep the global batch {tbs} at "
                           f"micro-batch size {mbs}")
-    build = engine._pdv_build
+    build = runtime_of(engine).build
     sched = build.get("lr_scheduler")
     if sched is not None and not callable(sched):
         errors.append("lr_scheduler: a scheduler object built on the old optimizer cannot follow a move; pass a "
@@ -153,7 +152,7 @@ def _checked_plan(engine: Any, boundaries: Sequence[int], rank_mapping: Sequence
                       "a callable (params -> optimizer) or configure it in the DeepSpeed config")
     if errors:
         raise ConfigError(errors)
-    return {"boundaries": parts, "rank_mapping": rows}
+    return Layout(parts, rows).to_dict()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -175,10 +174,6 @@ def _nbytes(shape: Tuple[int, ...], dtype: str) -> int:
     for s in shape:
         n *= s
     return n * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-
-
-def _without_aggregator(st: ParamState) -> ParamState:
-    return ParamState(weight=st.weight, master=st.master, optim=st.optim, group=st.group, is_buffer=st.is_buffer)
 
 
 @dataclass
@@ -227,7 +222,7 @@ def _transfer(held: Dict[str, ParamState], specs: List[Dict[str, Any]], routes: 
             copies += len(names)
             for name in names:
                 total_bytes += sum(_nbytes(shape, dt) for k, shape, dt in specs[src][name]["tensors"]
-                                   if not (k.startswith("agg/") and not table[name].keep_aggregator))
+                                   if not (is_aggregator_key(k) and not table[name].keep_aggregator))
             if src == rank:
                 sends[dst] = names
             if dst == rank:
@@ -235,7 +230,7 @@ def _transfer(held: Dict[str, ParamState], specs: List[Dict[str, Any]], routes: 
 
     def outgoing(dst: int, name: str) -> ParamState:
         st = held[name]
-        return st if routes[dst][name].keep_aggregator else _without_aggregator(st)
+        return st if routes[dst][name].keep_aggregator else st.without_aggregator()
 
     def prepare() -> Tuple[Dict[int, torch.Tensor], Dict[int, torch.Tensor]]:
         send_bufs = {dst: _pack([t for n in names for t in outgoing(dst, n).tensors().values()], device)
@@ -243,7 +238,7 @@ def _transfer(held: Dict[str, ParamState], specs: List[Dict[str, Any]], routes: 
         recv_bufs = {}
         for src, names in recvs.items():
             size = sum(_nbytes(shape, dt) for n in names for k, shape, dt in specs[src][n]["tensors"]
-                       if not (k.startswith("agg/") and not routes[rank][n].keep_aggregator))
+                       if not (is_aggregator_key(k) and not routes[rank][n].keep_aggregator))
             recv_bufs[src] = torch.empty(size, dtype=torch.uint8, device=device)
         return send_bufs, recv_bufs
 
@@ -256,19 +251,19 @@ def _transfer(held: Dict[str, ParamState], specs: List[Dict[str, Any]], routes: 
     mine: Dict[str, ParamState] = {}
     for name, route in routes.get(rank, {}).items():
         if route.source == rank:
-            mine[name] = held[name] if route.keep_aggregator else _without_aggregator(held[name])
+            mine[name] = held[name] if route.keep_aggregator else held[name].without_aggregator()
     for src, names in recvs.items():
         buf, o = recv_bufs[src], 0
         for name in names:
             keep = routes[rank][name].keep_aggregator
             tensors = {}
             for k, shape, dt in specs[src][name]["tensors"]:
-                if k.startswith("agg/") and not keep:
+                if is_aggregator_key(k) and not keep:
                     continue
                 nb = _nbytes(shape, dt)
                 tensors[k] = buf[o:o + nb].view(getattr(torch, dt)).reshape(shape).clone()
                 o += nb
-            scalars = {k: v for k, v in specs[src][name]["scalars"].items() if keep or not k.startswith("agg/")}
+            scalars = {k: v for k, v in specs[src][name]["scalars"].items() if keep or not is_aggregator_key(k)}
             mine[name] = ParamState.from_parts(tensors, scalars)
     return mine, total_bytes, messages, copies
 
@@ -276,24 +271,6 @@ def _transfer(held: Dict[str, ParamState], specs: List[Dict[str, Any]], routes: 
 # ---------------------------------------------------------------------------------------------------
 # Build
 # ---------------------------------------------------------------------------------------------------
-_FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-                       "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
-
-
-def _module_copy(engine: Any) -> Any:
-    """A second PipelineModule object sharing nothing mutable with `engine.module` (containers copied, the
-    old engine's forward hooks dropped): the new stage is built there while the old one stays intact."""
-    old = engine.module
-    new = object.__new__(type(old))
-    state = {k: (copy.copy(v) if isinstance(v, (dict, list, set)) else v) for k, v in old.__dict__.items()}
-    object.__setattr__(new, "__dict__", state)
-    for handle in (getattr(engine, "module_forward_pre_hook", None), getattr(engine, "module_forward_post_hook", None)):
-        if handle is not None:
-            for d in _FORWARD_HOOK_DICTS:
-                getattr(new, d, {}).pop(handle.id, None)
-    return new
-
-
 def _model_parameters(build: Dict[str, Any], module: Any, states: Dict[str, ParamState]) -> Any:
     """What the new engine's optimizer is built from: the caller's parameter groups, each with the
     parameters of the new stage that were in it (a parameter keeps its group wherever it goes)."""
@@ -314,7 +291,7 @@ def _optimizer_for(build: Dict[str, Any], params: Any) -> Any:
 
 
 def _engine_config(engine: Any, dp: int) -> Dict[str, Any]:
-    cfg = copy.deepcopy(engine._pdv_build["config"])
+    cfg = copy.deepcopy(runtime_of(engine).build["config"])
     tbs, mbs = int(engine.train_batch_size()), int(engine.train_micro_batch_size_per_gpu())
     cfg.update({"train_batch_size": tbs, "train_micro_batch_size_per_gpu": mbs,
                 "gradient_accumulation_steps": tbs // (mbs * dp)})
@@ -342,7 +319,7 @@ def move_engine(engine: Any, boundaries: Sequence[int], rank_mapping: Sequence[S
         mark[0] = now
 
     old_plan = plan_of(engine)
-    plans = _gather(({"boundaries": list(boundaries), "rank_mapping": [list(r) for r in rank_mapping]}
+    plans = _gather((Layout(boundaries, rank_mapping).to_dict()
                      if boundaries is not None and rank_mapping is not None else None))
     if plans[0] is None:
         raise ConfigError(["move_engine: boundaries and rank_mapping are both required"])
@@ -356,136 +333,160 @@ def move_engine(engine: Any, boundaries: Sequence[int], rank_mapping: Sequence[S
                           int(engine.global_steps))
     rng = torch.get_rng_state()  # building layers re-seeds it (seed_layers): the move leaves it as it was
     try:
-        return _execute(engine, old_plan, new_plan, on_phase, t0, phases, lap)
+        move = _Move(engine, old_plan, new_plan, on_phase, lap)
+        move.collect()
+        move.transfer()
+        move.build()
+        move.construct()
+        move.commit()
     finally:
         torch.set_rng_state(rng)
+    timing = _gather({"seconds": time.perf_counter() - t0, "phases": phases})
+    return MoveReport(True, max(t["seconds"] for t in timing), move.bytes_moved, move.bytes_gathered, move.messages,
+                      move.copies, {k: max(t["phases"].get(k, 0.0) for t in timing) for k in phases}, old_plan,
+                      new_plan, int(engine.global_steps))
 
 
-def _execute(engine: Any, old_plan: Dict[str, Any], new_plan: Dict[str, Any], on_phase: Optional[Callable[[str], None]],
-             t0: float, phases: Dict[str, float], lap: Callable[[str], None]) -> MoveReport:
-    """move_engine once the plan is agreed and differs from the current one."""
-    rank = dist.get_rank()
-    module = engine.module
-    dp_old = len(old_plan["rank_mapping"][0])
-    first = old_plan["rank_mapping"][0][0]
+class _Rollback:
+    """What the engine phase changes outside the new objects, and how to put it back: DeepSpeed's pipeline
+    globals (building an engine overwrites them), the policy glue's engine references, a half-built
+    engine's optimizer. Until `commit`, the user's engine is untouched."""
 
-    # ---- collect: whole tensors on every old owner; manifests, gathered bytes and the data position -----
-    def collect() -> Tuple[Dict[str, ParamState], Dict[str, Any]]:
-        return local_entries(engine)
+    def __init__(self, engine: Any):
+        self.p2p = internals.p2p_globals()
+        self.glue = engine.pdv_policy
+        g = self.glue
+        self.glue_refs = None if g is None else (g.engine, g.applier, g.monitor.dp_size,
+                                                 g.runner.applier if g.runner is not None else None)
+        self.built: List[Any] = []
 
-    def manifest(result: Any) -> Dict[str, Any]:
-        held, pdv = result
+    def undo(self) -> None:
+        internals.restore_p2p_globals(self.p2p)
+        g = self.glue
+        if self.glue_refs is not None:
+            g.engine, g.applier, g.monitor.dp_size = self.glue_refs[:3]
+            if g.runner is not None:
+                g.runner.applier = self.glue_refs[3]
+        if self.built and hasattr(self.built[0].optimizer, "destroy"):
+            self.built[0].optimizer.destroy()
+
+
+class _Move:
+    """One agreed move, phase by phase (collect, transfer, build, construct, commit): each local phase ends
+    in an agreement, so a failure anywhere raises the same MoveError on every rank with nothing changed."""
+
+    def __init__(self, engine: Any, old_plan: Dict[str, Any], new_plan: Dict[str, Any],
+                 on_phase: Optional[Callable[[str], None]], lap: Callable[[str], None]):
+        self.engine, self.old_plan, self.new_plan, self.on_phase, self.lap = engine, old_plan, new_plan, on_phase, lap
+        self.rank = dist.get_rank()
+        self.dp_old = len(old_plan["rank_mapping"][0])
+        self.first = old_plan["rank_mapping"][0][0]  # fed stage 0's replica 0: its data position is the global one
+        self.bytes_moved = self.bytes_gathered = self.messages = self.copies = 0
+
+    def collect(self) -> None:
+        """Whole tensors on every old owner; manifests, gathered bytes and the data position."""
+        engine = self.engine
+
+        def manifest(result: Any) -> Dict[str, Any]:
+            held, _ = result
+            gathered = 0
+            if self.dp_old > 1 and getattr(engine, "reduce_mode", "engine") in ("bf16", "zero"):  # partitions made whole
+                gathered = sum(t.numel() * t.element_size() for s in held.values()
+                               for k, t in s.tensors().items() if k == "master" or k.startswith("optim/"))
+            data = None
+            if self.rank == self.first:
+                data = runtime_of(engine).pending_data  # restored by a checkpoint, not yet handed over
+                if data is None and hasattr(engine.data_iterator, "state_dict"):
+                    data = engine.data_iterator.state_dict()
+            return {"specs": {n: _spec(s) for n, s in held.items()}, "gathered": gathered, "data": data}
+
+        (self.held, self.pdv), shared = _agreed("collect", lambda: local_entries(engine), self.on_phase, manifest)
+        self.specs = [s["specs"] for s in shared]
+        self.bytes_gathered = sum(s["gathered"] for s in shared if s["gathered"]) // max(self.dp_old, 1)
+        self.data_state = shared[self.first]["data"]
+        self.globals_now = global_state(engine)
+        self.lap("collect")
+
+    def transfer(self) -> None:
+        module = self.engine.module
+        names = sorted({n for sp in self.specs for n in sp}, key=lambda n: (min(layers_of(module, n)), n))
+        routes = _routes(module, names, self.old_plan, self.new_plan)
+        self.mine, self.bytes_moved, self.messages, self.copies = _transfer(
+            self.held, self.specs, routes, self.rank, self.engine.device, self.on_phase)
+        del self.held
+        self.lap("transfer")
+
+    def build(self) -> None:
+        """Groups (collective), then the new stage's layers (local, agreed) on a copy of the module."""
+        new = self.new = internals.module_copy(self.engine)
+        topo = MappedTopology(self.new_plan["rank_mapping"])
+        internals.set_topology(new, topo)
+        stage = topo.get_coord(self.rank).pipe
+
+        def layers() -> None:
+            build_stage_layers(new, self.new_plan["boundaries"], stage)
+            with torch.no_grad():
+                for n, t in {**dict(new.named_parameters()), **dict(new.named_buffers())}.items():
+                    s = self.mine[n]
+                    t.copy_(s.weight if (s.weight.dtype == t.dtype or s.master is None) else s.master)
+            new._pdv_placement = Layout.from_dict(self.new_plan).to_dict()
+
+        _agreed("build", layers, self.on_phase)
+        self.lap("build")
+
+    def construct(self) -> None:
+        """A new PDVPipelineEngine in these processes, its state restored; undone on any failure."""
+        engine, new, mine = self.engine, self.new, self.mine
+        rollback = _Rollback(engine)
+
+        def make() -> None:
+            link_tied_layers(new)
+            build_args = runtime_of(engine).build
+            cfg = _engine_config(engine, len(self.new_plan["rank_mapping"][0]))
+            params = _model_parameters(build_args, new, mine)
+            eng = type(engine)(args=build_args["args"], model=new, optimizer=_optimizer_for(build_args, params),
+                               model_parameters=params, training_data=build_args["training_data"],
+                               lr_scheduler=build_args["lr_scheduler"], mpu=new.mpu(),
+                               dist_init_required=build_args["dist_init_required"],
+                               collate_fn=build_args["collate_fn"], config=cfg,
+                               config_class=DeepSpeedConfig(cfg, new.mpu()),
+                               # the shares in force follow through the pdv state below, not the config's
+                               pdv_config=engine.pdv_config.model_copy(update={"data_shares": "equal"}),
+                               validation_iter=engine.validation_iter, pdv_glue=rollback.glue)
+            rollback.built.append(eng)
+            internals.configure_python_gc(eng)
+            runtime_of(eng).build = {**build_args, "model_parameters": params}
+            apply_params(eng, mine)
+            apply_global_state(eng, self.globals_now)
+            apply_state(eng, rebased_pdv_state(eng, {**self.pdv, "policy": None, "data": None},
+                                               {n: s.aggregator for n, s in mine.items()},
+                                               self.globals_now["train_batch_size"]))
+
+        try:
+            _agreed("engine", make, self.on_phase)
+        except BaseException:
+            rollback.undo()
+            raise
+        self.built, self.glue = rollback.built[0], rollback.glue
+        self.lap("engine")
+
+    def commit(self) -> None:
+        """The user's engine and module objects take over the new state; the data position and this rank's
+        new replica go to the iterator of the next train_batch (DeepSpeed keeps no iterator on middle stages:
+        the one this rank will pass is not known here)."""
+        engine = self.engine
         it = engine.data_iterator
-        gathered = 0
-        if dp_old > 1 and getattr(engine, "reduce_mode", "engine") in ("bf16", "zero"):  # partitions made whole
-            gathered = sum(t.numel() * t.element_size() for s in held.values()
-                           for k, t in s.tensors().items() if k == "master" or k.startswith("optim/"))
-        data = None
-        if rank == first:  # this rank fed stage 0's replica 0: its position is the global one
-            data = getattr(engine, "_pdv_pending_data", None)  # restored by a checkpoint, not yet handed over
-            if data is None and hasattr(it, "state_dict"):
-                data = it.state_dict()
-        return {"specs": {n: _spec(s) for n, s in held.items()}, "gathered": gathered, "data": data}
-
-    (held, pdv), shared = _agreed("collect", collect, on_phase, manifest)
-    specs = [s["specs"] for s in shared]
-    bytes_gathered = sum(s["gathered"] for s in shared if s["gathered"]) // max(dp_old, 1)
-    data_state = shared[first]["data"]
-    globals_now = global_state(engine)
-    lap("collect")
-
-    # ---- transfer ------------------------------------------------------------------------------------
-    all_names = sorted({n for sp in specs for n in sp}, key=lambda n: (min(layers_of(module, n)), n))
-    routes = _routes(module, all_names, old_plan, new_plan)
-    mine, bytes_moved, messages, copies = _transfer(held, specs, routes, rank, engine.device, on_phase)
-    del held
-    lap("transfer")
-
-    # ---- build: groups (collective), then the new stage's layers (local, agreed) ----------------------------
-    new = _module_copy(engine)
-    topo = MappedTopology(new_plan["rank_mapping"])
-    new._topo, new.num_stages = topo, len(new_plan["rank_mapping"])
-    new._grid = PipelineParallelGrid(process_group=new.world_group, topology=topo)
-    stage = topo.get_coord(rank).pipe
-
-    def build() -> None:
-        build_stage_layers(new, new_plan["boundaries"], stage)
-        with torch.no_grad():
-            for n, t in {**dict(new.named_parameters()), **dict(new.named_buffers())}.items():
-                s = mine[n]
-                t.copy_(s.weight if (s.weight.dtype == t.dtype or s.master is None) else s.master)
-        new._pdv_placement = {"boundaries": list(new_plan["boundaries"]), "rank_mapping": new_plan["rank_mapping"]}
-
-    _agreed("build", build, on_phase)
-    lap("build")
-
-    # ---- engine: a new PDVPipelineEngine in these processes, its state restored -----------------------------
-    saved_globals = (p2p._groups, p2p._grid, ds_groups.mpu)
-    glue = engine.pdv_policy
-    glue_saved = None if glue is None else (glue.engine, glue.applier, glue.monitor.dp_size,
-                                            glue.runner.applier if glue.runner is not None else None)
-    built: List[Any] = []
-
-    def construct() -> None:
-        link_tied_layers(new)
-        build_args = engine._pdv_build
-        dp_new = len(new_plan["rank_mapping"][0])
-        cfg = _engine_config(engine, dp_new)
-        params = _model_parameters(build_args, new, mine)
-        config_class = DeepSpeedConfig(cfg, new.mpu())
-        eng = type(engine)(args=build_args["args"], model=new,
-                                optimizer=_optimizer_for(build_args, params),
-                                model_parameters=params, training_data=build_args["training_data"],
-                                lr_scheduler=build_args["lr_scheduler"], mpu=new.mpu(),
-                                dist_init_required=build_args["dist_init_required"],
-                                collate_fn=build_args["collate_fn"], config=cfg, config_class=config_class,
-                                # the shares in force follow through the pdv state below, not the config's
-                                pdv_config=engine.pdv_config.model_copy(update={"data_shares": "equal"}),
-                                validation_iter=engine.validation_iter,
-                                pdv_glue=glue)
-        built.append(eng)
-        eng._configure_python_gc()
-        eng._pdv_build = {**build_args, "model_parameters": params}
-        apply_params(eng, mine)
-        apply_global_state(eng, globals_now)
-        apply_state(eng, rebased_pdv_state(eng, {**pdv, "policy": None, "data": None},
-                                           {n: s.aggregator for n, s in mine.items()}, globals_now["train_batch_size"]))
-
-    try:
-        _agreed("engine", construct, on_phase)
-    except BaseException:
-        p2p._groups, p2p._grid, ds_groups.mpu = saved_globals
-        if glue_saved is not None:
-            glue.engine, glue.applier, glue.monitor.dp_size = glue_saved[:3]
-            if glue.runner is not None:
-                glue.runner.applier = glue_saved[3]
-        if built and hasattr(built[0].optimizer, "destroy"):
-            built[0].optimizer.destroy()
-        raise
-    lap("engine")
-
-    # ---- commit: the user's objects take over the new state ----------------------------------------------
-    eng = built[0]
-    it = engine.data_iterator
-    user_module = engine.module
-    object.__setattr__(user_module, "__dict__", new.__dict__)
-    eng._modules["module"] = user_module
-    object.__setattr__(engine, "__dict__", eng.__dict__)
-    if glue is not None:  # the glue drives the user's object, not `eng`: a later move must replace this one's state
-        glue.rebind(engine)
-    # the data position and this rank's new replica go to the iterator of the next train_batch (DeepSpeed
-    # keeps no iterator on middle stages: the one this rank will pass is not known here)
-    if engine.is_first_stage() or engine.is_last_stage():
-        engine.data_iterator = it
-    if data_state is None and (engine.is_first_stage() or engine.is_last_stage()):
-        warnings.warn("the data position could not be read (the iterator that fed stage 0's replica 0 has no "
-                      "state_dict): the data does not follow the move; use pdv_ext.policy.data.ElasticBatches")
-    engine._pdv_pending_data = data_state
-    engine._pdv_pending_replica = ((engine.grid.get_data_parallel_id(), engine.grid.get_data_parallel_world_size())
-                                   if data_state is not None else None)
-    lap("commit")
-    seconds = time.perf_counter() - t0
-    timing = _gather({"seconds": seconds, "phases": phases})
-    return MoveReport(True, max(t["seconds"] for t in timing), bytes_moved, bytes_gathered, messages, copies,
-                      {k: max(t["phases"].get(k, 0.0) for t in timing) for k in phases}, old_plan, new_plan,
-                      int(engine.global_steps))
+        internals.swap_engine_state(engine, engine.module, self.built, self.new)
+        if self.glue is not None:  # the glue drives the user's object, not the built one: a later move replaces it
+            self.glue.rebind(engine)
+        ends = engine.is_first_stage() or engine.is_last_stage()
+        if ends:
+            engine.data_iterator = it
+        if self.data_state is None and ends:
+            warnings.warn("the data position could not be read (the iterator that fed stage 0's replica 0 has no "
+                          "state_dict): the data does not follow the move; use pdv_ext.policy.data.ElasticBatches")
+        rt = runtime_of(engine)
+        rt.pending_data = self.data_state
+        rt.pending_replica = ((engine.grid.get_data_parallel_id(), engine.grid.get_data_parallel_world_size())
+                              if self.data_state is not None else None)
+        self.lap("commit")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional
 
-from ..log import logger
+from ...log import logger
 
 PREFIX = "pdv_ext: "
 

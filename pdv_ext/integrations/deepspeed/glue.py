@@ -1,36 +1,52 @@
 """Glue between the policy layer and DeepSpeed's pipeline engine (PDVPipelineEngine calls only this).
 
+The policy layer knows an engine only through the applier protocol of pdv_ext.policy.runner; this is
+DeepSpeed's side of it (Horovod's is in pdv_ext.integrations.horovod).
+
 - `EngineApplier`: how actions change a live PipelineEngine (PLATFORM.md: `set_train_batch_size` for the
   micro-batches per step; a new micro-batch size also needs the config value, `engine.micro_batch_size`
   and `reset_activation_shape()` on every rank — and the data iterator re-based, see policy/data.py).
 - `PolicyGlue`: builds the Monitor (grad hook + forward/backward timing) and the PolicyRunner from
   `pdv.policy`, and runs them around each `train_batch`.
-- `save_state` / `load_state`: the pdv part of a DeepSpeed checkpoint (one small file per rank in the
-  checkpoint's tag directory): aggregator and its state, batch size, policy + monitor state, data position.
 """
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..comm import world_comm
-from ..integrations.instruction_map import wrap_instructions
-from .base import build_policy
-from .config import PolicyConfig
-from .metrics import Monitor
-from .runner import PolicyRunner
+from ...comm import world_comm
+from ...policy.applier import ApplierBase
+from ...policy.base import build_policy
+from ...policy.config import PolicyConfig
+from ...policy.metrics import Monitor
+from ...policy.runner import PolicyRunner
+from .internals import wrap_instructions
+from .runtime import runtime_of
+from ...placement.plan import Layout
+from .topology import engine_layout, engine_mapping
 
 
-class EngineApplier:
+class EngineApplier(ApplierBase):
     """Applies actions to a PipelineEngine (the runner calls it on every rank at a step boundary)."""
 
     def __init__(self, engine: Any):
         self.engine = engine
         self.num_stages = int(engine.num_stages)
+
+    @property
+    def optimizer(self) -> Any:
+        return self.engine.optimizer
+
+    @property
+    def aggregator(self) -> Any:
+        return self.engine.aggregator
+
+    @property
+    def data_iterator(self) -> Any:
+        return self.engine.data_iterator
 
     def batch_geometry(self) -> Tuple[int, int, int]:
         """(micro-batch size, micro-batches per replica and step on average, replicas): with unequal data
@@ -48,29 +64,20 @@ class EngineApplier:
         the Monitor's per-replica batch follow (every rank, at a step boundary)."""
         e = self.engine
         e.set_data_shares(shares)
-        it = e.data_iterator
-        if hasattr(it, "set_shares"):
-            it.set_shares(e.data_shares)
-        elif it is not None:
-            warnings.warn("data shares changed but the data iterator cannot follow: use "
-                          "pdv_ext.policy.data.ElasticBatches so that every replica reads its own slice of the "
-                          "global batch (no sample lost or repeated)")
+        self.iterator_follows_shares(e.data_shares)
         glue = getattr(e, "pdv_policy", None)
         if glue is not None:
             glue.monitor.shares = e.data_shares
 
     def replan(self, boundaries: Sequence[int], rank_mapping: Sequence[Sequence[int]]) -> Any:
-        """Move the pipeline (`engine.move_to`: pdv_ext.placement.move); the engine object stays the user's."""
+        """Move the pipeline (`engine.move_to`: move.py); the engine object stays the user's."""
         return self.engine.move_to(boundaries, rank_mapping)
 
     def placement(self) -> Dict[str, Any]:
         """The plan in force and where it came from (the start-up plan's cluster, profile and solver)."""
         e = self.engine
-        topo = e.grid._topo
-        p, d = topo.get_dim("pipe"), topo.get_dim("data")
         pl = e.pdv_config.placement
-        return {"boundaries": [int(b) for b in e.module.parts],
-                "rank_mapping": [[topo.get_rank(pipe=s, data=r) for r in range(d)] for s in range(p)],
+        return {**Layout(e.module.parts, engine_mapping(e)).to_dict(),
                 "cluster": pl.cluster, "profile": pl.profile, "solver": pl.solver, "schedule": pl.schedule,
                 "aggregator": pl.aggregator, "solver_options": dict(pl.solver_options),
                 "total_micro_batches": int(e.total_micro_batches)}
@@ -80,33 +87,15 @@ class EngineApplier:
         if e.data_shares is not None:  # a new global batch starts from the equal split
             self.set_data_shares(None)
         if micro_batch_size != e.train_micro_batch_size_per_gpu():
-            it = e.data_iterator
-            if hasattr(it, "set_micro_batch_size"):
-                it.set_micro_batch_size(micro_batch_size)
-            elif it is not None:
-                warnings.warn("the micro-batch size changed but the data iterator cannot follow: use "
-                              "pdv_ext.policy.data.ElasticBatches so that no sample is lost or repeated")
+            self.iterator_follows_micro_batch_size(micro_batch_size)
             e.set_train_micro_batch_size(micro_batch_size)
             e.micro_batch_size = micro_batch_size
             e.reset_activation_shape()
         e.set_train_batch_size(micro_batch_size * micro_batches * e.grid.get_data_parallel_world_size())
         e.total_micro_batches = int(e.micro_batches) * int(e.grid.get_data_parallel_world_size())
 
-    def get_lr(self) -> List[float]:
-        return [float(g["lr"]) for g in self.engine.optimizer.param_groups]
-
-    def set_lr(self, lrs: Sequence[float]) -> None:
-        for g, lr in zip(self.engine.optimizer.param_groups, lrs):
-            g["lr"] = lr
-
     def set_aggregator(self, spec: Any) -> None:
         self.engine.set_aggregator(spec)
-
-    def set_gossip_peers(self, peers: int) -> None:
-        agg = self.engine.aggregator
-        if not hasattr(agg, "set_peers"):
-            raise ValueError(f"SetGossipPeers: the aggregator '{agg.name}' has no peers (switch to gossip first)")
-        agg.set_peers(peers)
 
 
 class _MonitorHook:
@@ -165,14 +154,14 @@ class PolicyGlue:
         self.attach(engine)
 
     def attach(self, engine: Any) -> None:
-        """Wire this glue into `engine`: at start-up, and again when a move (pdv_ext.placement.move) rebuilt the
+        """Wire this glue into `engine`: at start-up, and again when a move (move.py) rebuilt the
         engine in the same processes - the Monitor, the runner and the user's reference to the glue live on."""
         from deepspeed.runtime.pipe import schedule
 
         cuda = torch.device(getattr(engine, "device", "cpu")).type == "cuda"
         self.monitor.dp_size = int(engine.grid.get_data_parallel_world_size())
-        topo = engine.grid._topo  # (stage, replica) of every global rank: what each per-rank time belongs to
-        self.monitor.layout = [(topo.get_coord(r).pipe, topo.get_coord(r).data) for r in range(self.comm.size)]
+        # (stage, replica) of every global rank: what each per-rank time belongs to
+        self.monitor.layout = engine_layout(engine, self.comm.size)
         self.monitor.shares = engine.data_shares
         engine.grad_hooks.append(_MonitorHook(self.monitor))
         # time forward/backward per rank (the straggler signal) through an instance-level instruction map
@@ -242,13 +231,14 @@ def build_glue(engine: Any, carried: Optional[PolicyGlue] = None) -> Optional[Po
 
 def begin_step(engine: Any, data_iter: Any = None) -> Optional[PolicyGlue]:
     """Before a train_batch: hand a restored data position to the iterator, start the step's clock."""
-    pending = getattr(engine, "_pdv_pending_data", None)
+    rt = runtime_of(engine)
+    pending = rt.pending_data
     if pending is not None:
         it = data_iter if data_iter is not None else engine.data_iterator
         if hasattr(it, "load_state_dict"):
             it.load_state_dict(pending)
-            engine._pdv_pending_data = None
-            replica = getattr(engine, "_pdv_pending_replica", None)  # a move gave this rank another replica
+            rt.pending_data = None
+            replica = rt.pending_replica  # a move gave this rank another replica
             if replica is not None:
                 if hasattr(it, "set_replica"):
                     it.set_replica(*replica)
@@ -257,82 +247,8 @@ def begin_step(engine: Any, data_iter: Any = None) -> Optional[PolicyGlue]:
                 else:
                     warnings.warn("the data iterator cannot follow the move to another replica (no set_replica): "
                                   "use pdv_ext.policy.data.ElasticBatches")
-                engine._pdv_pending_replica = None
+                rt.pending_replica = None
     glue: Optional[PolicyGlue] = getattr(engine, "pdv_policy", None)
     if glue is not None:
         glue.begin()
     return glue
-
-
-# ---------------------------------------------------------------------------------------------------
-# Checkpoints
-# ---------------------------------------------------------------------------------------------------
-def _path(engine: Any, ckpt_dir: str, tag: str) -> str:
-    return os.path.join(ckpt_dir, str(tag), f"pdv_state_rank{engine.global_rank:05d}.pt")
-
-
-def state_of(engine: Any) -> Dict[str, Any]:
-    """Everything pdv adds to a checkpoint, for this rank."""
-    agg = engine.aggregator
-    it = engine.data_iterator
-    glue: Optional[PolicyGlue] = getattr(engine, "pdv_policy", None)
-    return {
-        "aggregator": {"type": agg.name, **agg.options.model_dump()},
-        "aggregator_state": agg.state_dict(),
-        "micro_batch_size": int(engine.train_micro_batch_size_per_gpu()),
-        "micro_batches": int(engine.total_micro_batches) // int(engine.grid.get_data_parallel_world_size()),
-        "data_shares": None if engine.data_shares is None else list(engine.data_shares),
-        "data": it.state_dict() if hasattr(it, "state_dict") else None,
-        "policy": glue.state_dict() if glue is not None else None,
-    }
-
-
-def save_state(engine: Any, save_dir: str, tag: Optional[str]) -> str:
-    """Write this rank's pdv state next to DeepSpeed's checkpoint files (call after it saved)."""
-    tag = tag if tag is not None else f"global_step{engine.global_steps}"
-    path = _path(engine, save_dir, tag)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save(state_of(engine), path)
-    return path
-
-
-def load_state(engine: Any, load_dir: str, tag: Optional[str]) -> bool:
-    """Restore this rank's pdv state (call after DeepSpeed loaded its checkpoint). Returns False when the
-    checkpoint has none (e.g. written by plain DeepSpeed)."""
-    if tag is None:
-        latest = os.path.join(load_dir, "latest")
-        if not os.path.isfile(latest):
-            return False
-        with open(latest, encoding="utf-8") as f:
-            tag = f.read().strip()
-    path = _path(engine, load_dir, tag)
-    if not os.path.isfile(path):
-        return False
-    # onto this rank's device (the gossip residual, zeno's validation gradient): a checkpoint written on
-    # cuda:r resumes where the rank now runs, whichever GPU (or none) that is
-    apply_state(engine, torch.load(path, weights_only=False, map_location=getattr(engine, "device", "cpu")))
-    return True
-
-
-def apply_state(engine: Any, st: Dict[str, Any]) -> None:
-    """Restore a `state_of` dict into `engine` (a checkpoint's, or one the cross-plan loader and the move
-    rebuilt for this rank's new place: pdv_ext.placement)."""
-    spec = dict(st["aggregator"])
-    if spec != {"type": engine.aggregator.name, **engine.aggregator.options.model_dump()}:
-        engine.set_aggregator(spec)
-    engine.aggregator.load_state_dict(st["aggregator_state"])
-    applier = EngineApplier(engine)
-    mbs, mb, _ = applier.batch_geometry()
-    if (mbs, mb) != (st["micro_batch_size"], st["micro_batches"]):
-        applier.set_batch_size(st["micro_batches"], st["micro_batch_size"])
-    if st.get("data_shares") != applier.data_shares():
-        applier.set_data_shares(st.get("data_shares"))
-    glue: Optional[PolicyGlue] = getattr(engine, "pdv_policy", None)
-    if glue is not None and st.get("policy") is not None:
-        glue.load_state_dict(st["policy"])
-    if st.get("data") is not None:
-        it = engine.data_iterator
-        if hasattr(it, "load_state_dict"):
-            it.load_state_dict(st["data"])
-        else:  # the iterator comes with the next train_batch(data_iter=...): restore it there
-            engine._pdv_pending_data = st["data"]

@@ -14,6 +14,9 @@ from typing import Any, List
 
 import torch
 
+from ...config_base import ConfigError
+from .runtime import runtime_of
+
 
 class _OneMicroBatch:
     """DeepSpeed's TrainSchedule for one micro-batch, minus the reduction and optimizer instructions."""
@@ -34,7 +37,7 @@ class _OneMicroBatch:
 
 def reduction_params(engine: Any) -> List[torch.nn.Parameter]:
     """The parameters whose gradients the engine hands to the aggregator, in the same order
-    (DeepSpeed's `_get_gradients_for_reduction`, without MoE experts)."""
+    (what DeepSpeed's fp32/fp16 reduction takes, without MoE experts)."""
     from deepspeed.moe.utils import is_moe_param
 
     return [p for p in engine.module.parameters() if p.requires_grad and p.numel() > 0 and not is_moe_param(p)]
@@ -52,14 +55,12 @@ class PipelineValidation:
         eng = self.engine
         needs_data = eng.is_first_stage() or eng.is_last_stage()
         if needs_data and self.validation_iter is None:
-            from ..config_base import ConfigError
-
             raise ConfigError([f"pdv.aggregation.type: '{eng.aggregator.name}' needs validation data: pass "
                                "validation_iter=... to pdv_ext.initialize (first and last stage ranks)"])
         params = reduction_params(eng)
         saved_grads = [p.grad for p in params]
         saved = {k: getattr(eng, k, None) for k in ("data_iterator", "total_loss", "total_additional_losses",
-                                                     "fwd_outputs", "loss", "_force_grad_boundary")}
+                                                     "fwd_outputs", "loss")}
         try:
             for p in params:
                 p.grad = None
@@ -67,8 +68,8 @@ class PipelineValidation:
                 eng.data_iterator = self.validation_iter
             eng.total_loss = None
             eng.total_additional_losses = None
-            eng._force_grad_boundary = False
-            eng._exec_schedule(_OneMicroBatch(eng))
+            with eng.grad_boundary_forced(False):
+                eng.run_schedule(_OneMicroBatch(eng))
             # the last stage divided the loss by the accumulation steps: undo it (one micro-batch's mean)
             gas = float(eng.gradient_accumulation_steps())
             out = [(p.grad.detach().clone() * gas) if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -90,7 +91,8 @@ def refresh_validation(engine: Any) -> None:
     needs = getattr(agg, "needs_refresh", None)
     if needs is not None and not needs():
         return
-    runner = getattr(engine, "_pdv_validation", None)
+    rt = runtime_of(engine)
+    runner = rt.validation
     if runner is None or runner.validation_iter is not engine.validation_iter:
-        runner = engine._pdv_validation = PipelineValidation(engine, engine.validation_iter)
+        runner = rt.validation = PipelineValidation(engine, engine.validation_iter)
     agg.set_validation_grads(runner.compute())

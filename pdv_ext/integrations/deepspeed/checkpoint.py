@@ -21,14 +21,16 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
 import torch.distributed as dist
 
-from ..config_base import ConfigError
-from ..integrations.topology import current_mapping
-from ..policy.engine import apply_state, state_of
-from .layer_state import (ParamState, apply_global_state, apply_params, collect_params, global_state,
-                          join_aggregator_state, layers_of, local_names, split_aggregator_state)
+from ...config_base import ConfigError
+from ...placement.layer_state import ParamState, is_aggregator_key, local_names
+from . import internals
+from .layer_state import (apply_global_state, apply_params, collect_params, global_state, join_aggregator_state,
+                          layers_of, split_aggregator_state)
+from .pdv_state import apply_state, state_of
+from .safe_io import load_plain, save_plain
+from .topology import current_mapping, module_layout
 
 FORMAT = "pdv-layer-state"
 VERSION = 1
@@ -37,7 +39,7 @@ SUBDIR = "pdv_layers"
 
 def plan_of(engine: Any) -> Dict[str, Any]:
     """The engine's plan: stage boundaries (DeepSpeed's `parts`) and rank mapping `[stage][replica]`."""
-    return {"boundaries": [int(b) for b in engine.module.parts], "rank_mapping": current_mapping(engine.module)}
+    return module_layout(engine.module).to_dict()
 
 
 def replicas_differ(engine: Any) -> bool:
@@ -61,21 +63,13 @@ def layer_dir(ckpt_dir: str, tag: Any) -> str:
     return os.path.join(ckpt_dir, str(tag), SUBDIR)
 
 
-def _save(obj: Any, path: str) -> int:
-    """torch.save through a temporary name: a reader never sees half a file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-    return os.path.getsize(path)
-
-
 def _replica_part(st: ParamState, whole: bool) -> Dict[str, Any]:
     """What replica d > 0 adds to replica 0's entry: its aggregator state (and, where replicas differ,
     everything)."""
     if whole:
         return {"tensors": st.tensors(), "scalars": st.scalars()}
-    return {"tensors": {f"agg/{k}": v for k, v in st.aggregator.items() if v is not None},
-            "scalars": {f"agg/{k}": None for k, v in st.aggregator.items() if v is None}}
+    return {"tensors": {k: v for k, v in st.tensors().items() if is_aggregator_key(k)},
+            "scalars": {k: v for k, v in st.scalars().items() if is_aggregator_key(k)}}
 
 
 def local_entries(engine: Any) -> Tuple[Dict[str, ParamState], Dict[str, Any]]:
@@ -116,15 +110,15 @@ def save_layer_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_st
                 if start <= layer < stop:
                     by_layer.setdefault(layer, {})[name] = entry
         for layer, entries in sorted(by_layer.items()):
-            written += _save(entries, os.path.join(out, f"layer_{layer:02d}.pt"))
+            written += save_plain(entries, os.path.join(out, f"layer_{layer:02d}.pt"), f"layer {layer}")
     if current_mapping(engine.module)[0][0] == engine.global_rank:
         meta = {"format": FORMAT, "version": VERSION, "plan": plan_of(engine), "world_size": dist.get_world_size(),
-                "num_layers": int(engine.module._num_layers), "replicas": dp_size, "replicas_differ": whole,
+                "num_layers": int(internals.num_layers(engine.module)), "replicas": dp_size, "replicas_differ": whole,
                 "global": global_state(engine), "pdv": pdv, "client_state": client_state,
                 "precision": {"bf16": bool(engine.bfloat16_enabled()), "fp16": bool(engine.fp16_enabled()),
                               "zero_stage": int(engine.zero_optimization_stage())}}
         os.makedirs(out, exist_ok=True)
-        written += _save(meta, os.path.join(out, "meta.pt"))
+        written += save_plain(meta, os.path.join(out, "meta.pt"), "meta")
     return written
 
 
@@ -134,7 +128,7 @@ def read_meta(load_dir: str, tag: Any) -> Optional[Dict[str, Any]]:
     path = os.path.join(layer_dir(load_dir, tag), "meta.pt") if tag is not None else None
     if path is None or not os.path.isfile(path):
         return None
-    meta = torch.load(path, weights_only=False, map_location="cpu")
+    meta = load_plain(path)
     if meta.get("format") != FORMAT or int(meta.get("version", 0)) > VERSION:
         raise ValueError(f"{path}: not a {FORMAT} v{VERSION} file")
     return meta
@@ -143,8 +137,8 @@ def read_meta(load_dir: str, tag: Any) -> Optional[Dict[str, Any]]:
 def replica_state(entry: Dict[str, Any], replica: int, device: Any) -> ParamState:
     """Replica `replica`'s state from a layer file entry: replica 0's, with the replica's own aggregator
     state (zeros later, for a replica the writing run did not have) or whole state (replicas differ)."""
-    tensors = {k: v for k, v in entry["tensors"].items() if not k.startswith("agg/") or replica == 0}
-    scalars = {k: v for k, v in entry["scalars"].items() if not k.startswith("agg/") or replica == 0}
+    tensors = {k: v for k, v in entry["tensors"].items() if not is_aggregator_key(k) or replica == 0}
+    scalars = {k: v for k, v in entry["scalars"].items() if not is_aggregator_key(k) or replica == 0}
     extra = entry["replicas"][replica] if 0 < replica < len(entry["replicas"]) else None
     if extra is not None:
         tensors.update(extra["tensors"])
@@ -163,7 +157,7 @@ def read_states(engine: Any, load_dir: str, tag: str) -> Dict[str, ParamState]:
         path = os.path.join(folder, f"layer_{layer:02d}.pt")
         if not os.path.isfile(path):
             continue
-        for name, entry in torch.load(path, weights_only=False, map_location="cpu").items():
+        for name, entry in load_plain(path).items():
             if name not in found:
                 found[name] = replica_state(entry, d, engine.device)
     return found
@@ -196,9 +190,9 @@ def load_layer_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_opti
     meta = read_meta(load_dir, tag)
     if meta is None:
         return None, {}
-    if int(meta["num_layers"]) != int(engine.module._num_layers):
+    if int(meta["num_layers"]) != int(internals.num_layers(engine.module)):
         raise ConfigError([f"load_checkpoint: the checkpoint has {meta['num_layers']} pipeline layers, the model "
-                           f"{engine.module._num_layers}"])
+                           f"{internals.num_layers(engine.module)}"])
     states = read_states(engine, load_dir, tag)
     missing = sorted(set(local_names(engine.module)) - set(states))
     if missing:
