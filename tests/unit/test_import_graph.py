@@ -184,10 +184,12 @@ def folder_edges(edges: List[Edge]) -> List[Edge]:
 
 
 def climbs(edges: List[Edge]) -> List[str]:
-    """Imports from a lower floor into an upper one, and from the playground (emulate) into the benchmarks."""
+    """Imports from a lower floor into an upper one, from the planner into the policies, and from the playground
+    (emulate) into the benchmarks."""
     out = []
     for a, b, where in folder_edges(edges):
-        if (a in LOWER_FLOORS and b in UPPER_FLOORS) or (a == "emulate" and b in ("bench", "cli")):
+        if (a in LOWER_FLOORS and b in UPPER_FLOORS) or (a == "emulate" and b in ("bench", "cli")) \
+                or (a == "placement" and b == "policy"):  # policies use the planner, never the other way
             out.append(f"{where}: {a} imports {b}")
     return sorted(out)
 
