@@ -25,6 +25,7 @@ from .policy.config import PolicyConfig, policy_plugins  # noqa: E402
 from .init_search_config import InitSearchConfig  # noqa: E402
 from .aggregation.faults_config import FaultsConfig  # noqa: E402
 from .placement.check import placement_errors  # noqa: E402
+from .user_errors import exit_if_uncaught  # noqa: E402
 
 
 class AggregationConfig(StrictModel):
@@ -224,6 +225,7 @@ def split_config(config: Union[None, str, os.PathLike, Dict[str, Any]]) -> Tuple
     return data, cfg
 
 
+@exit_if_uncaught  # a ConfigError nothing catches: its lines once, exit 2 (user_errors.py)
 def load_pdv(config: Union[None, str, os.PathLike, Dict[str, Any], PDVConfig]) -> PDVConfig:
     """A PDVConfig from a PDVConfig, a `"pdv"` dict, a DeepSpeed config dict or a file path."""
     if isinstance(config, PDVConfig):

@@ -6,6 +6,12 @@ traceback, four ranks gave about 110 lines for one typo. Under `exit_on_config_e
 error's lines to stderr, every rank exits with status 2 (the launcher sees the same failure from each), and
 no traceback is printed. Any other exception propagates as before: it may differ between ranks, and its
 traceback is the information.
+
+Without the decorator, the public entry points that read the user's settings (`pdv_ext.initialize`,
+`pdv_ext.load_pdv`, `PDVPipelineEngine.load_checkpoint`) still raise `ConfigError`, so a caller can catch
+it; on its way out they install `exit_if_uncaught`'s `sys.excepthook`, which turns a ConfigError that
+nothing caught (it would end the process with a traceback per rank) into the same clean stop: the lines
+once, status 2. Other exceptions, and any exception in an interactive session, reach the previous hook.
 """
 from __future__ import annotations
 
@@ -52,6 +58,45 @@ def report_config_error(exc: ConfigError, stream: Any = None) -> None:
     for line in lines:
         print(f"  {line}", file=stream)
     stream.flush()
+
+
+def _exit_hook(exc_type: Any, exc: BaseException, tb: Any) -> None:
+    """sys.excepthook while installed: an uncaught ConfigError -> its lines once, status 2 (SystemExit raised
+    from the hook ends the interpreter with that status, atexit handlers run); anything else -> the hook
+    that was there before."""
+    interactive = hasattr(sys, "ps1") or sys.flags.interactive
+    if isinstance(exc, ConfigError) and not interactive:
+        report_config_error(exc)
+        sys.stdout.flush()
+        raise SystemExit(EXIT_CONFIG_ERROR)
+    _previous_hook(exc_type, exc, tb)
+
+
+_previous_hook: Callable[..., Any] = sys.excepthook
+
+
+def install_exit_hook() -> None:
+    """Make an uncaught ConfigError end the process like `exit_on_config_error` does (idempotent; chains to
+    the hook in place, so a tool's own excepthook still sees every other exception)."""
+    global _previous_hook
+    if sys.excepthook is not _exit_hook:
+        _previous_hook = sys.excepthook
+        sys.excepthook = _exit_hook
+
+
+def exit_if_uncaught(fn: F) -> F:
+    """Decorate a public entry point: a ConfigError it raises still propagates (catch it to handle it), and
+    one that nothing catches ends the process with its lines once and status 2 (`install_exit_hook`)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError:
+            install_exit_hook()
+            raise
+
+    return run  # type: ignore[return-value]
 
 
 def exit_on_config_error(main: F) -> F:

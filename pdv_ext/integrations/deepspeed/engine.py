@@ -21,6 +21,7 @@ from ...aggregation.faults import loss_scale_overflow
 from ...comm import TorchComm, host_twin
 from ...config import ConfigError, PDVConfig, split_config
 from ...log import apply_log_level
+from ...user_errors import exit_if_uncaught
 from . import internals
 from .checkpoint import load_layer_checkpoint, plan_of, read_meta, save_layer_checkpoint
 from .glue import begin_step, build_glue
@@ -501,6 +502,7 @@ def _bind_local_device() -> None:
         acc.set_device(int(os.environ["LOCAL_RANK"]))
 
 
+@exit_if_uncaught  # a ConfigError nothing catches: its lines once (rank 0), exit 2 on every rank
 def initialize(args: Any = None,
                model: Optional[nn.Module] = None,
                optimizer: Any = None,
@@ -531,6 +533,10 @@ def initialize(args: Any = None,
     beside the config dict pdv hands over. At the end, rank 0 logs what pdv_ext set up (engine, aggregator
     per stage, placement, policies, init search) at INFO through pdv_ext's logger (`pdv_ext.log`,
     `pdv_ext.integrations.deepspeed.summary`).
+
+    A bad `"pdv"` section (or any other setting pdv_ext refuses) raises `pdv_ext.ConfigError`, on every rank
+    alike: catch it to handle it. One that nothing catches ends the process with its lines printed once (rank
+    0) and exit status 2, without a traceback per rank (`pdv_ext.user_errors.exit_if_uncaught`).
     """
     if config is None and config_params is not None:
         config = config_params
