@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--events-clock", choices=CLOCKS, default="launch",
                     help="the events' zero: when the ranks start (launch, default) or when a rank first calls "
                          "pdv_ext.emulate.events.mark_start() (mark)")
+    ap.add_argument("--total-steps", type=int, default=None, metavar="N",
+                    help="the run's training steps, for events placed 'at_fraction' of the run (events 'at_step' "
+                         "need a rank to report its steps: pdv_ext.emulate.events.mark_step)")
     ap.add_argument("--run-name", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dry-run", action="store_true",
                     help="print the namespaces, addresses, rates, quotas and the timeline of events")
@@ -64,9 +67,13 @@ def describe(em: "launcher.Emulation") -> str:
 def describe_timeline(em: "launcher.Emulation") -> str:
     if not em.changes:
         return "timeline: no events"
-    zero = "when the ranks start" if em.events_clock == "launch" else "when a rank first calls mark_start()"
-    lines = [f"timeline: {len(em.changes)} event{'s' if len(em.changes) != 1 else ''}, from {zero}"]
-    lines += [f"event {c.index} at +{c.event.at:.1f}s: {c.text}" for c in em.changes]
+    if em.by_step:
+        zero = "by training step, as rank 0 reports it (mark_step)"
+    else:
+        zero = "from " + ("when the ranks start" if em.events_clock == "launch" else
+                          "when a rank first calls mark_start()")
+    lines = [f"timeline: {len(em.changes)} event{'s' if len(em.changes) != 1 else ''}, {zero}"]
+    lines += [f"event {c.index} at {c.event.when}: {c.text}" for c in em.changes]
     return "\n".join(lines)
 
 
@@ -87,7 +94,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.print_usage(sys.stderr)
         print("pdv emulate: error: needs --cluster C.yaml and a command after --", file=sys.stderr)
         return 2
-    check_ranges(ap, args, positive=["--timeout", "--cpu-budget", "--top-share"])
+    check_ranges(ap, args, at_least={"--total-steps": 1}, positive=["--timeout", "--cpu-budget", "--top-share"])
     if args.top_share is not None and args.top_share > (os.cpu_count() or 1):
         ap.error(f"--top-share {args.top_share:g} is more than this machine's {os.cpu_count() or 1} cores")
     try:  # the cluster, then every event checked and worked out here, before anything exists
@@ -96,7 +103,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         events = load_timeline(cluster.spec.events, args.cluster, args.events, spec)
         em = launcher.Emulation(spec, command, timeout=args.timeout, cpu_budget=args.cpu_budget,
                                 top_share=args.top_share, run_name=args.run_name, events=events,
-                                events_log=args.events_log, events_clock=args.events_clock)
+                                events_log=args.events_log, events_clock=args.events_clock,
+                                total_steps=args.total_steps)
     except ConfigError as exc:  # one line per problem, each naming its file and key (an event: its index)
         for line in exc.errors:
             print(f"pdv emulate: {line}", file=sys.stderr)

@@ -1,18 +1,24 @@
 """The cluster's weather: a timeline of changes to a running emulation (a device slows down, a link congests).
 
-Three kinds of event, each at a time after the timeline's zero (see `mark_start`)::
+Three kinds of event, each at a time after the timeline's zero (see `mark_start`) or at a training step::
 
     - {at: 40s, device: slow0, throughput: 0.33}             # the device's live CPU quota
     - {at: 60s, pair: {a: fast1, b: slow1}, bandwidth: 10 Mbit/s, latency: 5ms}   # both directions
     - {at: 90s, link: inter_host, bandwidth: 20 Mbit/s}       # every pair of that class (and host uplinks)
+    - {at_step: 32, device: slow0, throughput: 0.33}          # once the job's 32nd step has finished
+    - {at_fraction: 0.4, device: slow0, throughput: 0.33}     # at 40% of the run's steps (it declares them)
 
 `throughput` is relative, like the cluster YAML's; rates and latencies take the cluster YAML's units
-(`placement.cluster.parse_quantity`); `at` is seconds or "500ms", "40s", "1.5min", "2h". Events come from the
-cluster YAML's `events:` list and from an events file (a list, or a mapping with an `events:` key whose other
-keys are ignored), merged and sorted by `at`. Every problem is one line naming the event's source, index and
-key, raised before anything of a run exists; `check` validates the names against the emulated cluster.
+(`placement.cluster.parse_quantity`); `at` is seconds or "500ms", "40s", "1.5min", "2h". When an event happens
+is the base class's (`_Event`): exactly one of `at`, `at_step` or `at_fraction`, so every kind of event (a
+later one too) is placed by time or by training progress alike. A timeline is either in seconds or by step,
+not both (the order of a mix depends on the machine's speed). Events come from the cluster YAML's `events:`
+list and from an events file (a list, or a mapping with an `events:` key whose other keys are ignored),
+merged and sorted by `at` (or step). Every problem is one line naming the event's source, index and key,
+raised before anything of a run exists; `check` validates the names against the emulated cluster.
 
-This module is also imported by the ranks (`mark_start`), so it stays light: no torch, no emulator state.
+This module is also imported by the ranks (`mark_start`, `mark_step`), so it stays light: no torch, no
+emulator state.
 """
 from __future__ import annotations
 
@@ -31,6 +37,10 @@ from .spec import EmuSpec
 
 #: the file a rank creates to start the `mark` clock; the launcher exports its path to every rank
 MARK_ENV = "PDV_EVENTS_MARK"
+#: the file rank 0's `mark_step(n)` writes the number of finished training steps to (step events)
+STEP_ENV = "PDV_EVENTS_STEP"
+#: the keys that place an event: exactly one of them
+WHEN_KEYS = ("at", "at_step", "at_fraction")
 #: when the timeline's zero is: the ranks' start, or the first `mark_start()` call of any rank
 CLOCKS = ("launch", "mark")
 LINK_CLASSES = ("intra_host", "inter_host")
@@ -72,16 +82,52 @@ def _relative(value: Any) -> Any:
     return value
 
 
+def _whole_step(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("expected a whole number of training steps >= 0")
+    return value
+
+
+def _share(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("expected a share of the run's steps such as 0.4")
+    return value
+
+
 class _Event(StrictModel):
-    at: float
+    """When an event happens, for every kind: `at` seconds after the timeline's zero, or `at_step: N` (once
+    the job's step N has started, i.e. N steps finished, as rank 0 reports them through `mark_step`), or
+    `at_fraction: F` (the step F x the run's declared steps, see `resolve_steps`). `parse_events` checks that
+    exactly one is given."""
+
+    at: Optional[float] = None
+    at_step: Optional[int] = Field(default=None, ge=0)
+    at_fraction: Optional[float] = Field(default=None, gt=0, lt=1, allow_inf_nan=False)
     kind: ClassVar[str] = ""
     _origin: str = PrivateAttr(default="event")  # "<file>: events[i]", for messages
 
     _at = field_validator("at", mode="before")(parse_time)
+    _at_step = field_validator("at_step", mode="before")(_whole_step)
+    _at_fraction = field_validator("at_fraction", mode="before")(_share)
 
     @property
     def origin(self) -> str:
         return self._origin
+
+    @property
+    def by_step(self) -> bool:
+        """Placed by training progress (`at_step` or `at_fraction`) rather than in seconds."""
+        return self.at is None
+
+    @property
+    def when(self) -> str:
+        """'+40.0s', 'step 32', 'step 32 (0.4 of the run)' or '0.4 of the run' (steps not yet known)."""
+        if self.at is not None:
+            return f"+{self.at:.1f}s"
+        share = f"{self.at_fraction:g} of the run" if self.at_fraction is not None else ""
+        if self.at_step is None:
+            return share
+        return f"step {self.at_step}" + (f" ({share})" if share else "")
 
     @property
     def target(self) -> str:
@@ -168,6 +214,12 @@ def _parse(items: Any, source: str) -> Tuple[List[Event], List[str]]:
             what = "has " + " and ".join(repr(k) for k in kinds) if kinds else f"has keys {sorted(map(str, item))}"
             errors.append(f"{where}: an event needs exactly one of 'device', 'pair' or 'link' ({what})")
             continue
+        whens = [k for k in WHEN_KEYS if k in item]
+        if len(whens) != 1:
+            what = "has " + " and ".join(repr(k) for k in whens) if whens else "has none"
+            errors.append(f"{where}: an event needs exactly one of 'at' (seconds), 'at_step' (a training step) or "
+                          f"'at_fraction' (a share of the run's steps) ({what})")
+            continue
         model = _MODELS[kinds[0]]
         try:
             event = model.model_validate(item)
@@ -205,15 +257,66 @@ def _events_in_file(path: str) -> Any:
     return data
 
 
+def _order(e: Event) -> Tuple[float, float]:
+    if e.at is not None:
+        return (e.at, 0.0)
+    if e.at_step is not None:
+        return (float(e.at_step), 0.0)
+    return (math.inf, e.at_fraction or 0.0)  # a share whose steps are not known yet: after, in share order
+
+
 def timeline(events: Sequence[Event]) -> List[Event]:
-    """The events sorted by `at` (stable: events at the same time keep their order, the cluster's first)."""
-    return sorted(events, key=lambda e: e.at)
+    """The events sorted by `at`, or by step (stable: events at the same time keep their order, the cluster's
+    first). ConfigError when seconds and steps are mixed."""
+    errors = _clock_errors(events)
+    if errors:
+        raise ConfigError(errors)
+    return sorted(events, key=_order)
+
+
+def by_step(events: Sequence[Event]) -> bool:
+    """Whether this (unmixed) timeline is placed by training step."""
+    return bool(events) and events[0].by_step
+
+
+def _clock_errors(events: Sequence[Event]) -> List[str]:
+    """One line per event placed otherwise than the first one (seconds and steps cannot be ordered before
+    the run: that order depends on the machine's speed)."""
+    if not events:
+        return []
+    first = events[0]
+    key = lambda e: "at" if e.at is not None else ("at_step" if e.at_fraction is None else "at_fraction")  # noqa: E731
+    return [f"{e.origin}.{key(e)}: a timeline places every event in seconds ('at') or every event by training "
+            f"step ('at_step'/'at_fraction'), not both ({first.origin} uses '{key(first)}')"
+            for e in events[1:] if e.by_step != first.by_step]
+
+
+def resolve_steps(events: Sequence[Event], total_steps: Optional[int]) -> List[Event]:
+    """The events with each `at_fraction` turned into its `at_step` (round(F x total_steps), kept beside it);
+    again from the share when called again with another total. ConfigError naming each share when the run's
+    steps are not known."""
+    if total_steps is not None and (isinstance(total_steps, bool) or int(total_steps) < 1):
+        raise ValueError(f"the run's total steps must be >= 1 (got {total_steps!r})")
+    out, errors = [], []
+    for e in events:
+        if e.at_fraction is None:
+            out.append(e)
+        elif total_steps is None:
+            errors.append(f"{e.origin}.at_fraction: a share of the run needs the run's total steps (pdv emulate "
+                          "--total-steps N; a bench scenario's run.steps); or use 'at_step'")
+        else:
+            out.append(e.model_copy(update={"at_step": int(math.floor(e.at_fraction * int(total_steps) + 0.5))}))
+    if errors:
+        raise ConfigError(errors)
+    return out
 
 
 def load_timeline(cluster_events: Optional[list], cluster_source: str, events_path: Optional[str] = None,
-                  spec: Optional[EmuSpec] = None) -> List[Event]:
+                  spec: Optional[EmuSpec] = None, total_steps: Optional[int] = None) -> List[Event]:
     """The cluster YAML's `events:` (`Cluster.spec.events`, raw) and an events file's, merged; with `spec`,
-    also checked against the cluster (`check`). ConfigError listing every bad event of both sources."""
+    also checked against the cluster (`check`); with `total_steps`, each `at_fraction` resolved to its step
+    (`resolve_steps`; without it they stay shares, resolved when the run's steps are known). ConfigError
+    listing every bad event of both sources."""
     events, errors = _parse(cluster_events, cluster_source)
     if events_path:
         try:
@@ -223,6 +326,9 @@ def load_timeline(cluster_events: Optional[list], cluster_source: str, events_pa
         events, errors = events + more, errors + more_errors
     if spec is not None:
         errors += _check(events, spec)
+    errors += _clock_errors(events)
+    if total_steps is not None and not errors:
+        events = resolve_steps(events, total_steps)
     if errors:  # in the order of the files and of the events in them
         sources = [cluster_source, events_path]
         raise ConfigError(sorted(errors, key=lambda line: _place(line, sources)))
@@ -286,3 +392,40 @@ def mark_start() -> None:
         os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))  # its mtime is the zero
     except FileExistsError:
         pass
+
+
+_step_files: dict = {}  # STEP_ENV path -> the temporary name this process writes before renaming
+
+
+def mark_step(step: int) -> None:
+    """Report training progress: `step` training steps have finished (call it with 0 when training starts
+    and with n after the n-th step). Events placed `at_step` (or `at_fraction`) are applied by the event player
+    once the reported count reaches their step. Only rank 0's reports count (other ranks' calls, and any call
+    outside `pdv emulate` with step events, are no-ops), so every rank may call it. Costs one small file
+    write and a rename (atomic: the player never reads half a number), tens of microseconds."""
+    path = os.environ.get(STEP_ENV)
+    if not path or os.environ.get("RANK", "0") != "0":
+        return
+    tmp = _step_files.get(path)
+    if tmp is None:
+        tmp = _step_files[path] = f"{path}.{os.getpid()}.tmp"
+    try:
+        fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
+        try:
+            os.write(fd, b"%d\n" % int(step))
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError:  # the run is being torn down: progress no longer matters
+        pass
+
+
+def read_step(path: Optional[str]) -> Optional[int]:
+    """The step count last reported through `mark_step` at `path` (None: none yet, or unreadable)."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return int(f.read(64).strip())
+    except (OSError, ValueError):
+        return None

@@ -7,6 +7,8 @@ All resources carry the run's unique name `pdv-<id>`, so tear-down (in `finally`
 With `events=` a timeline (events.py) is worked out at construction (weather.py: a bad event is an error
 before anything exists) and played on this run's cgroups and classes while the ranks run (player.py); the
 player is stopped before tear-down, and an event that cannot be applied stops the run (`EventError`).
+A timeline placed by training step (`at_step`; `at_fraction` needs `total_steps`) gets a step file whose path
+the ranks find in `PDV_EVENTS_STEP` (rank 0 writes its finished steps there through `events.mark_step`).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from typing import BinaryIO, Dict, List, Optional, Sequence
 
 from ..spawn import default_env, kill_group
 from . import cgroup, netns
-from .events import CLOCKS, MARK_ENV, Event, timeline
+from .events import CLOCKS, MARK_ENV, STEP_ENV, Event, by_step, resolve_steps, timeline
 from .events import check as check_events
 from .player import EventError, EventPlayer
 from .spec import EmuSpec, device_ip
@@ -67,7 +69,7 @@ class Emulation:
                  run_name: Optional[str] = None, env: Optional[Dict[str, str]] = None,
                  out: Optional[BinaryIO] = None, grace: float = 2.0, log=None,
                  events: Optional[Sequence[Event]] = None, events_log: Optional[str] = None,
-                 events_clock: str = "launch"):
+                 events_clock: str = "launch", total_steps: Optional[int] = None):
         self.spec = spec
         self.command = list(command)
         self.timeout = timeout
@@ -86,7 +88,8 @@ class Emulation:
         # the timeline, checked and worked out now: a bad event is an error before anything exists
         if events_clock not in CLOCKS:
             raise ValueError(f"events clock must be one of {', '.join(CLOCKS)} (got {events_clock!r})")
-        self.events: List[Event] = timeline(events or [])
+        self.events: List[Event] = timeline(resolve_steps(events or [], total_steps))
+        self.by_step = by_step(self.events)
         check_events(self.events, spec)
         self.changes: List[Change] = Weather(spec, self.cores).plan(self.events)
         if events_log is not None and not os.path.isdir(os.path.dirname(os.path.abspath(events_log))):
@@ -107,12 +110,18 @@ class Emulation:
                 "MASTER_PORT": str(MASTER_PORT), "PDV_DEVICE_NAME": d.name, "PDV_HOST": d.host,
                 "PDV_DEVICE_CORES": f"{self.cores[i]:.4f}", "PDV_EMULATION": self.name,
                 "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0",
-                "OMP_NUM_THREADS": "1", **({MARK_ENV: self.mark_path} if self.mark_path else {})}
+                "OMP_NUM_THREADS": "1", **({MARK_ENV: self.mark_path} if self.mark_path else {}),
+                **({STEP_ENV: self.step_path} if self.step_path else {})}
 
     @property
     def mark_path(self) -> Optional[str]:
         """The file `events.mark_start()` creates in a rank (the `mark` clock), or None."""
-        return os.path.join(self._mark_dir, "mark") if self._mark_dir else None
+        return os.path.join(self._mark_dir, "mark") if self._mark_dir and self.events_clock == "mark" else None
+
+    @property
+    def step_path(self) -> Optional[str]:
+        """The file `events.mark_step()` writes rank 0's finished steps to (a step timeline), or None."""
+        return os.path.join(self._mark_dir, "step") if self._mark_dir and self.by_step else None
 
     def setup(self) -> None:
         self.net = netns.Network(self.spec, self.name)
@@ -122,10 +131,10 @@ class Emulation:
         self.groups = cgroup.CpuGroups(self.name, self.cores)
         self.groups.create()
         if self.changes or self.events_log:
-            if self.events_clock == "mark":
+            if self.events_clock == "mark" or self.by_step:
                 self._mark_dir = tempfile.mkdtemp(prefix=f"{self.name}-mark-")
             self.player = EventPlayer(self.changes, self._apply, self.events_clock, self.mark_path,
-                                      self.events_log, log=self.log)
+                                      self.events_log, log=self.log, step_path=self.step_path)
 
     def _apply(self, c: Change) -> List[str]:
         """One change on this run's own cgroups and classes (the player's thread)."""
