@@ -73,3 +73,12 @@ def test_no_unrestricted_torch_load_in_pdv_ext():
     offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
                  if "weights_only=False" in p.read_text(encoding="utf-8")]
     assert offenders == []
+
+
+def test_a_client_state_that_is_not_plain_is_refused_before_anything_is_written(tmp_path):
+    from pdv_ext.integrations.deepspeed import PDVPipelineEngine
+
+    fake = SimpleNamespace()  # the refusal comes before DeepSpeed's save (which a fake engine could not do)
+    with pytest.raises(ConfigError, match=r"save_checkpoint: client_state\['opt'\]: a .*_Payload"):
+        PDVPipelineEngine.save_checkpoint(fake, str(tmp_path), "t", client_state={"step": 3, "opt": _Payload("x")})
+    assert list(tmp_path.iterdir()) == []
