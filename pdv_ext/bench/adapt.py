@@ -2,9 +2,10 @@
 
 A scenario file holds a cluster (a path, relative to the file, or inline `devices:`/`links:`), the run's shape
 (`run:`: pipeline and data-parallel degrees, model, micro-batches, steps, the adaptive run's policies) and a
-timeline of events (`events:`, the schema of `pdv emulate --events`; times count from the start of training,
-the first timed step, so every run meets the events at the same point of its training, whatever its start-up
-took). In one job the same model (same seed, data, global batch and number of samples) is trained three
+timeline of events (`events:`, the schema of `pdv emulate --events`). The shipped scenarios place them by
+training step (`at_step: N`: once N timed steps have finished; `at_fraction: F`: that share of `run.steps`),
+so every run, on a faster or a slower machine, meets them at the same share of its training; events `at:`
+seconds count from the start of training, the first timed step, whatever its start-up took. In one job the same model (same seed, data, global batch and number of samples) is trained three
 times on the emulated cluster, each a fresh set of ranks under `pdv emulate` with the same timeline:
 
 - *static*: equal data shares, the start-up plan, no policy: leaving things alone;
@@ -19,7 +20,9 @@ kind's run of median wall time is reported (all walls in `wall_seconds_runs`). F
 training steps (to the fixed number of samples), held-out loss at the end, the
 samples/s of every phase between events (from the per-step wall times and the events' applied times in the
 emulator's log), and for the adaptive run the steps from each event to its first adaptation (in steps and in
-policy agreement steps). Ratios `adaptive_vs_static` and `adaptive_vs_oracle` (wall times). Everything of
+policy agreement steps). Ratios `adaptive_vs_static` and `adaptive_vs_oracle` (wall times), and
+`after_event_ratio`: the adaptive run's samples/s over the static run's over the steps from the one the first
+event hit to the end (each run's own `event_step`), the figure that measures the policy alone. Everything of
 the job, per-step series included, goes to `build/bench-adapt/<scenario>.json`; `pdv plot adapt` draws its
 samples/s over time with the events marked. Needs root (the emulated cluster); exits 2 with the reason
 otherwise.
@@ -129,7 +132,7 @@ def load_scenario(path: str):
     if errors:
         raise ConfigError([f"{path}: {e}" for e in errors])
     spec = from_cluster(cluster)
-    events = load_timeline(cluster.spec.events, cluster_path, path, spec)
+    events = load_timeline(cluster.spec.events, cluster_path, path, spec, total_steps=run.steps)
     return sc, cluster, cluster_path, spec, events
 
 
@@ -173,7 +176,7 @@ def rank_main(args: Dict[str, Any]) -> int:
     from deepspeed.pipe import PipelineModule
 
     import pdv_ext
-    from ..emulate.events import mark_start
+    from ..emulate.events import mark_start, mark_step
     from ..integrations.deepspeed.topology import current_mapping
     from ..models import ByteWindows, TextWindows, gpt_layers, lm_loss, seed_layer, text_splits
     from ..policy.data import ElasticBatches
@@ -206,6 +209,7 @@ def rank_main(args: Dict[str, Any]) -> int:
     dist.barrier()
     if rank0:
         mark_start()  # the events' clock starts with the first timed step
+        mark_step(0)  # and the step count of events placed by step (at_step: N applies once N steps finished)
     start = time.time()
     ends, durations, shares, moves, plans = [], [], [], [], []
     runner = engine.pdv_policy.runner if engine.pdv_policy is not None else None
@@ -215,6 +219,8 @@ def rank_main(args: Dict[str, Any]) -> int:
         engine.train_batch(data_iter=data)
         durations.append(time.perf_counter() - t0)
         ends.append(time.time())
+        if rank0:
+            mark_step(i + 1)
         shares.append(list(engine.data_shares) if engine.data_shares is not None else None)
         if runner is not None and runner.last_move is not last:  # a Replan moved the pipeline in this step
             last = runner.last_move
@@ -293,6 +299,23 @@ def event_steps(result: Dict[str, Any], applied: List[Dict[str, Any]]) -> List[O
     return out
 
 
+def after_event_rate(result: Dict[str, Any], step: Optional[int]) -> Optional[float]:
+    """Samples/s over the steps from `step` (1-based: the step the first event hit; for `at_step: N` that is
+    step N+1) to the end (None: no event hit the run)."""
+    if step is None or step < 1 or step > len(result["durations"]):
+        return None
+    durations = result["durations"][step - 1:]
+    secs = sum(durations)
+    return result["global_batch"] * len(durations) / secs if secs > 0 else None
+
+
+def after_event_ratio(summary: Dict[str, Any]) -> Optional[float]:
+    """The adaptive run's samples/s after the first event over the static run's (> 1: the adaptive run is
+    faster; each over its own steps from its `event_step`); None without both or without an event."""
+    ad, st = (summary.get(k, {}).get("after_event_samples_per_s") for k in ("adaptive", "static"))
+    return ad / st if ad and st else None
+
+
 def adaptation_delays(result: Dict[str, Any], steps_hit: List[Optional[int]], every: int) -> List[Dict[str, Any]]:
     """For each event: the first share change decided at or after the step it hit, and how long after."""
     out = []
@@ -344,7 +367,7 @@ def _run(kind: str, sc, spec, events, workdir: str, shares: Optional[List[int]],
         f"{', policies ' + json.dumps(policy) if policy else ''}"
         f"{', plan ' + placement['plan'] if placement and placement.get('plan') else ''})")
     emu = Emulation(spec, cmd, timeout=sc.run.timeout, out=sys.stderr.buffer, events=events, events_log=events_log,
-                    events_clock="mark")
+                    events_clock="mark", total_steps=sc.run.steps)
     with StealSampler() as steal:  # what the hypervisor took while it ran: a drift of the emulated speeds
         code = emu.run()
     with open(host, "w", encoding="utf-8") as f:
@@ -460,6 +483,9 @@ def summarize(kind: str, result: Dict[str, Any], every: int) -> Dict[str, Any]:
          "samples": result["samples"], "samples_per_s": result["samples"] / sum(result["durations"]),
          "phases": phases(result, applied), "event_steps": hit,
          "host_steal": _steal(result, range(len(result["durations"])))}
+    first = next((h for h in hit if h is not None), None)
+    s["event_step"] = first  # the (1-based) step the first applied event hit
+    s["after_event_samples_per_s"] = after_event_rate(result, first)
     if kind == "adaptive":
         s["adaptations"] = adaptation_delays(result, hit, every)
         s["decisions"] = result["decisions"]
@@ -500,6 +526,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if a.steps is not None:
         sc.run.steps = a.steps
+        events = resolve_steps(events, sc.run.steps)  # at_fraction: a share of the steps run
+    for i, e in enumerate(events):
+        if e.at_step is not None and e.at_step >= sc.run.steps:
+            log(f"adapt: event {i} ({e.origin}) at step {e.at_step} is not within the run's {sc.run.steps} steps: "
+                "it will not happen")
+    from ..emulate.events import resolve_steps
     from ..emulate.launcher import EmulationUnavailable, check_available
 
     try:
@@ -563,6 +595,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if base in summary:
                 summary[f"adaptive_vs_{base}"] = ad / summary[base]["wall_seconds"]
         if "static" in summary:
+            summary["after_event_ratio"] = after_event_ratio(summary)
             st = summary["static"]["held_out_loss"]
             summary["held_out_loss_vs_static"] = summary["adaptive"]["held_out_loss"] / st - 1.0
         delays = [d["agreement_steps"] for d in summary["adaptive"].get("adaptations", []) if d["agreement_steps"]]

@@ -12,11 +12,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCENARIOS = os.path.join(ROOT, "launch", "scenarios")
 
 
-@pytest.mark.parametrize("name", ["dp4_straggler", "transient", "calm"])
+@pytest.mark.parametrize("name", ["dp4_straggler", "transient", "calm", "pipe2x2_straggler", "pipe4_straggler"])
 def test_shipped_scenarios_load(name):
     sc, cluster, _, spec, events = adapt.load_scenario(os.path.join(SCENARIOS, f"{name}.yaml"))
     assert sc.run.pipe * sc.run.data == len(cluster) == len(spec.devices)
-    assert [e.at for e in events] == sorted(e.at for e in events)
+    # placed by training step, within the run, in order: the same share of the run on any machine
+    assert all(e.at is None and 0 < e.at_step < sc.run.steps for e in events)
+    assert [e.at_step for e in events] == sorted(e.at_step for e in events)
 
 
 def test_oracle_is_the_split_for_the_speeds_after_the_last_event():
