@@ -27,6 +27,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: exit status of a run stopped by a ConfigError (the `pdv` commands use 2 for invalid input too)
 EXIT_CONFIG_ERROR = 2
 
+#: the line above a ConfigError's lines (a subclass may set its own `heading`)
+HEADING = "pdv_ext: invalid configuration (fix it and run again; `pdv check-config FILE` checks a file):"
+
 _RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "HOROVOD_RANK")
 
 
@@ -53,8 +56,7 @@ def report_config_error(exc: ConfigError, stream: Any = None) -> None:
         return
     stream = stream if stream is not None else sys.stderr
     lines = exc.errors or [str(exc)]
-    print("pdv_ext: invalid configuration (fix it and run again; `pdv check-config FILE` checks a file):",
-          file=stream)
+    print(getattr(exc, "heading", None) or HEADING, file=stream)
     for line in lines:
         print(f"  {line}", file=stream)
     stream.flush()

@@ -7,6 +7,7 @@
 - validation.py: Zeno's validation pass through the pipeline; summary.py: the start-up log;
 - internals.py: the one module that names DeepSpeed's private attributes (a tested version range).
 """
+from .checkpoint import CheckpointNotFound
 from .engine import GradHook, PDVPipelineEngine, apply_placement, follow_rebuild, initialize, parameter_names
 from .move import MoveError, MoveReport, move_engine
 from .profiling import profile_pipeline
@@ -14,4 +15,4 @@ from .topology import MappedTopology, current_mapping, row_major_mapping
 
 __all__ = ["initialize", "PDVPipelineEngine", "GradHook", "apply_placement", "follow_rebuild", "parameter_names",
            "MappedTopology", "current_mapping", "row_major_mapping", "move_engine", "MoveError", "MoveReport",
-           "profile_pipeline"]
+           "profile_pipeline", "CheckpointNotFound"]

@@ -59,6 +59,34 @@ def resolve_tag(load_dir: str, tag: Any) -> Optional[str]:
         return f.read().strip()
 
 
+class CheckpointNotFound(ConfigError):
+    """`engine.load_checkpoint(dir)` found nothing to load (DeepSpeed's own loader logs a warning and starts
+    from scratch: a mistyped path lost the run without a word). A ConfigError: uncaught, its lines once and
+    exit 2 (user_errors.py)."""
+
+    heading = "pdv_ext: no checkpoint to load (fix the path, or pass missing_ok=True to start from scratch):"
+
+
+def missing_checkpoint(load_dir: Any, tag: Any = None, latest: str = "latest") -> Optional[str]:
+    """Why `load_dir` (with `tag`, or the tag its `latest` file names) holds no checkpoint to load, or None
+    when there is one to try. `latest` is DeepSpeed's tag file (`latest_universal` for universal checkpoints)."""
+    where = os.fspath(load_dir)
+    if not os.path.isdir(where):
+        return f"load_checkpoint: {where!r} does not exist" + (" (or is not a folder)" if os.path.exists(where) else "")
+    if tag is None:
+        if not os.path.isfile(os.path.join(where, latest)):
+            return (f"load_checkpoint: {where!r} has no {latest!r} file naming the checkpoint to load "
+                    "(pass tag=... to load a named one)")
+        with open(os.path.join(where, latest), encoding="utf-8") as f:
+            tag = f.read().strip()
+        if not os.path.isdir(os.path.join(where, tag)):
+            return f"load_checkpoint: {os.path.join(where, latest)!r} names {tag!r}, but {where!r} has no such folder"
+        return None
+    if not os.path.isdir(os.path.join(where, str(tag))):
+        return f"load_checkpoint: {where!r} has no checkpoint {str(tag)!r} (no folder {os.path.join(where, str(tag))!r})"
+    return None
+
+
 def layer_dir(ckpt_dir: str, tag: Any) -> str:
     return os.path.join(ckpt_dir, str(tag), SUBDIR)
 

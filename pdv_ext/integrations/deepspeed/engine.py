@@ -20,14 +20,16 @@ from ...aggregation import Aggregator, bind_group, build_aggregator
 from ...aggregation.faults import loss_scale_overflow
 from ...comm import TorchComm, host_twin
 from ...config import ConfigError, PDVConfig, split_config
-from ...log import apply_log_level
+from ...log import apply_log_level, logger
 from ...user_errors import exit_if_uncaught
 from . import internals
-from .checkpoint import load_layer_checkpoint, plan_of, read_meta, save_layer_checkpoint
+from .checkpoint import (CheckpointNotFound, load_layer_checkpoint, missing_checkpoint, plan_of, read_meta,
+                         save_layer_checkpoint)
 from .glue import begin_step, build_glue
 from .pdv_state import load_state, save_state
 from .move import move_engine
 from .runtime import EngineRuntime, runtime_of
+from .safe_io import check_plain
 from .topology import MappedTopology, build_stage_layers, current_mapping, link_tied_layers, module_layout
 from .validation import reduction_params, refresh_validation
 
@@ -465,16 +467,36 @@ class PDVPipelineEngine(internals.EngineSeam):
     def save_checkpoint(self, save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed's checkpoint plus pdv's state (aggregator, batch size, policies, data position), and the
         same state keyed by layer, which any other plan can load (checkpoint.py)."""
+        client_state = kwargs.get("client_state", args[0] if args else None)
+        try:  # pdv's files hold plain values only (safe_io): refused on every rank before anything is written
+            check_plain(client_state, "client_state")
+        except TypeError as exc:
+            raise ConfigError([f"save_checkpoint: {exc}"]) from None
         out = super().save_checkpoint(save_dir, tag, *args, **kwargs)
         save_state(self, save_dir, tag)
-        save_layer_checkpoint(self, save_dir, tag, kwargs.get("client_state", args[0] if args else None))
+        save_layer_checkpoint(self, save_dir, tag, client_state)
         return out
 
-    def load_checkpoint(self, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+    @exit_if_uncaught
+    def load_checkpoint(self, load_dir: str, tag: Any = None, *args: Any, missing_ok: bool = False,
+                        **kwargs: Any) -> Any:
         """DeepSpeed's loader under the plan the checkpoint was written with; under any other plan (boundaries,
         placement, pipeline depth), its layer-keyed form. Also where DeepSpeed's own cannot restore the state:
         under BF16_Optimizer without ZeRO (DeepSpeed 0.19's loader indexes the saved dict by data-parallel
-        rank and fails), and where replicas hold different weights (gossip: DeepSpeed keeps replica 0's)."""
+        rank and fails), and where replicas hold different weights (gossip: DeepSpeed keeps replica 0's).
+
+        Nothing to load (no folder `load_dir`, no `latest` file in it without a `tag`, no folder for the tag)
+        raises `CheckpointNotFound` (a ConfigError naming the path) where DeepSpeed would warn and train from
+        scratch; with `missing_ok=True` it returns `(None, None)` as DeepSpeed does (rank 0 logs one line):
+        the resume-if-there-is-one pattern."""
+        latest = "latest_universal" if self.load_universal_checkpoint() else "latest"
+        missing = missing_checkpoint(load_dir, tag, latest)
+        if missing is not None:
+            if not missing_ok:
+                raise CheckpointNotFound([missing])
+            if self.global_rank == 0:
+                logger.info(f"{missing}; starting from scratch (missing_ok=True)")
+            return None, None
         meta = read_meta(load_dir, tag)
         if meta is not None and (meta["plan"] != plan_of(self) or meta.get("replicas_differ")
                                  or (self.reduce_mode == "bf16" and not self.zero_optimization())):
