@@ -72,6 +72,31 @@ def test_phases_event_steps_and_adaptation_delay():
     assert (d["event_step"], d["adapted_at_step"], d["steps"], d["agreement_steps"]) == (4, 6, 3, 2)
 
 
+def test_after_event_ratio_compares_the_steps_from_the_first_events_step():
+    # static: 10 steps of 1 s, the event hits step 4 and every step from it takes 2 s; adaptive: the same, then
+    # back to 1.25 s from step 6 (it adapted); the whole-run ratio mixes in the calm steps, the after-event one not
+    static = _result() | {"durations": [1.0] * 3 + [2.0] * 7}
+    adaptive = _result() | {"durations": [1.0] * 3 + [2.0] * 2 + [1.25] * 5}
+    log = [{"index": 0, "applied": True, "wall": 103.5, "at": None, "at_step": 3, "applied_step": 3}]
+    for res in (static, adaptive):
+        res["events_log"] = log
+    st, ad = adapt.summarize("static", static, 2), adapt.summarize("adaptive", adaptive, 2)
+    assert st["event_step"] == ad["event_step"] == 4 and st["event_steps"] == [4]
+    assert st["after_event_samples_per_s"] == pytest.approx(64 * 7 / 14)
+    assert ad["after_event_samples_per_s"] == pytest.approx(64 * 7 / (4 + 6.25))
+    assert adapt.after_event_ratio({"static": st, "adaptive": ad}) == pytest.approx(14 / 10.25)
+    whole = ad["wall_seconds"] / st["wall_seconds"]
+    assert whole == pytest.approx(13.25 / 17) and 1 / whole < adapt.after_event_ratio({"static": st, "adaptive": ad})
+    assert adapt.after_event_rate(static, 1) == pytest.approx(64 * 10 / 17)  # an event at step 0: the whole run
+    # no event (calm), or one the run never reached: no after-event figure, no ratio
+    calm = _result() | {"events_log": []}
+    none = adapt.summarize("static", calm, 2)
+    assert none["event_step"] is None and none["after_event_samples_per_s"] is None
+    assert adapt.after_event_ratio({"static": none, "adaptive": ad}) is None
+    assert adapt.after_event_ratio({"adaptive": ad}) is None
+    assert adapt.after_event_rate(static, 11) is None and adapt.after_event_rate(static, None) is None
+
+
 def test_plot_draws_the_three_runs(tmp_path):
     from pdv_ext.plot import plot_adapt
 

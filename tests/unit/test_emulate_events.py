@@ -404,3 +404,163 @@ def test_cleanup_removes_mark_folders_of_killed_runs(tmp_path, monkeypatch):
     assert launcher.cleanup_stale(log=lambda m: None) == 1
     assert os.listdir(tmp_path) == ["pdv-ranks-keep"]
 
+
+
+# ---- events placed by training progress (at_step, at_fraction) ------------------------------------------
+def test_at_step_and_at_fraction_place_an_event_by_training_progress():
+    step, share = parse({"at_step": 25, "device": "slow0", "throughput": 0.5},
+                        {"at_fraction": 0.4, "link": "inter_host", "bandwidth": "10 Mbit/s"})
+    assert (step.at, step.at_step, step.by_step, step.when) == (None, 25, True, "step 25")
+    assert (share.at_step, share.at_fraction, share.when) == (None, 0.4, "0.4 of the run")
+    resolved = events.resolve_steps([step, share], 80)
+    assert [e.at_step for e in resolved] == [25, 32] and resolved[1].when == "step 32 (0.4 of the run)"
+    assert resolved[1].origin == "t.yaml: events[1]" and share.at_step is None  # a copy: the share is kept
+    assert events.resolve_steps(resolved, 10)[1].at_step == 4  # again from the share (e.g. bench --steps 10)
+    assert [e.at_step for e in events.timeline(events.resolve_steps(
+        parse({"at_step": 50, "device": "slow0", "throughput": 1}, {"at_fraction": 0.25, "device": "slow0",
+                                                                    "throughput": 0.5}), 100))] == [25, 50]
+    assert parse({"at_step": 0, "device": "slow0", "throughput": 1})[0].at_step == 0  # when training starts
+    assert not parse({"at": 5, "device": "slow0", "throughput": 1})[0].by_step
+
+
+@pytest.mark.parametrize("event, words", [
+    ({"at": 1, "at_step": 3, "device": "slow0", "throughput": 1},
+     "events[0]: an event needs exactly one of 'at' (seconds), 'at_step' (a training step) or 'at_fraction' "
+     "(a share of the run's steps) (has 'at' and 'at_step')"),
+    ({"at_step": 3, "at_fraction": 0.5, "device": "slow0", "throughput": 1}, "(has 'at_step' and 'at_fraction')"),
+    ({"device": "slow0", "throughput": 1}, "events[0]: an event needs exactly one of 'at' (seconds)"),
+    ({"at_step": -1, "device": "slow0", "throughput": 1}, "events[0].at_step: Input should be greater than or equal to 0"),
+    ({"at_step": 2.5, "device": "slow0", "throughput": 1}, "events[0].at_step: Input should be a valid integer"),
+    ({"at_step": True, "device": "slow0", "throughput": 1}, "events[0].at_step: expected a whole number of training steps"),
+    ({"at_step": "soon", "device": "slow0", "throughput": 1}, "events[0].at_step: Input should be a valid integer"),
+    ({"at_fraction": 0, "device": "slow0", "throughput": 1}, "events[0].at_fraction: Input should be greater than 0"),
+    ({"at_fraction": 1, "device": "slow0", "throughput": 1}, "events[0].at_fraction: Input should be less than 1"),
+    ({"at_fraction": True, "device": "slow0", "throughput": 1}, "events[0].at_fraction: expected a share of the run"),
+    ({"at_stp": 3, "device": "slow0", "throughput": 1}, "has none"),
+])
+def test_a_bad_placement_is_one_line_naming_index_and_key(event, words):
+    errs = errors_of(event)
+    assert len(errs) == 1 and words in errs[0] and errs[0].startswith("t.yaml: events[0]"), errs
+
+
+def test_seconds_and_steps_do_not_mix_and_a_share_needs_the_runs_steps(tmp_path):
+    ev = tmp_path / "ev.yaml"
+    ev.write_text("- {at_step: 10, device: slow0, throughput: 0.5}\n- {at_fraction: 0.5, device: slow0, throughput: 1}\n")
+    with pytest.raises(ConfigError) as exc:
+        events.load_timeline([{"at": "5s", "device": "fast0", "throughput": 1}], "c.yaml", str(ev))
+    assert exc.value.errors == [
+        f"{ev}: events[0].at_step: a timeline places every event in seconds ('at') or every event by training step "
+        "('at_step'/'at_fraction'), not both (c.yaml: events[0] uses 'at')",
+        f"{ev}: events[1].at_fraction: a timeline places every event in seconds ('at') or every event by training "
+        "step ('at_step'/'at_fraction'), not both (c.yaml: events[0] uses 'at')"]
+    tl = events.load_timeline(None, "c.yaml", str(ev))  # the share stays a share until the steps are known
+    assert [(e.at_step, e.at_fraction) for e in tl] == [(10, None), (None, 0.5)]
+    assert [e.at_step for e in events.load_timeline(None, "c.yaml", str(ev), total_steps=40)] == [10, 20]
+    with pytest.raises(ConfigError, match=r"events\[1\].at_fraction: a share of the run needs the run's total steps"):
+        events.resolve_steps(tl, None)
+
+
+def _step_player(spec, tmp_path, *items, log_path=None):
+    plan = Weather(spec, [0.5] * 4).plan(events.timeline(parse(*items)))
+    applied, lines = [], []
+    player = EventPlayer(plan, lambda c: applied.append(c.index) or [], "mark", str(tmp_path / "mark"),
+                         log_path, lines.append, step_path=str(tmp_path / "step"))
+    return player, applied, lines
+
+
+def test_a_step_event_applies_when_rank_0_reports_its_step_and_not_before(spec, tmp_path, monkeypatch):
+    log = tmp_path / "events.jsonl"
+    player, applied, lines = _step_player(spec, tmp_path, {"at_step": 3, "device": "slow0", "throughput": 0.5},
+                                          {"at_step": 5, "device": "slow0", "throughput": 1},
+                                          {"at_step": 90, "device": "slow0", "throughput": 0.2}, log_path=str(log))
+    monkeypatch.setenv(events.STEP_ENV, str(tmp_path / "step"))
+    monkeypatch.setenv("RANK", "0")
+    player.start(time.monotonic())  # no mark_start(): step events wait for no clock
+    for n in range(3):
+        events.mark_step(n)
+        _wait_for(lambda: player.step == n)  # the player has read it ...
+        assert applied == [], f"applied before step 3 (at {n})"  # ... and applied nothing
+    events.mark_step(3)
+    _wait_for(lambda: applied == [0])
+    time.sleep(3 * events_poll())
+    assert applied == [0]  # the next one waits for step 5
+    monkeypatch.setenv("RANK", "1")
+    events.mark_step(7)  # another rank's report does not count
+    time.sleep(3 * events_poll())
+    assert applied == [0] and player.step == 3
+    monkeypatch.setenv("RANK", "0")
+    events.mark_step(6)  # past step 5 in one jump (a step shorter than the poll): applied at once
+    _wait_for(lambda: applied == [0, 1])
+    player.stop()
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["at"], r["at_step"], r["applied_step"], r["applied"]) for r in rows] == [
+        (None, 3, 3, True), (None, 5, 6, True), (None, 90, None, False)]
+    assert rows[0]["applied_at"] >= 0 and abs(rows[0]["wall"] - time.time()) < 60
+    assert rows[2]["reason"] == "the run ended at step 6"
+    assert lines[0].startswith("event 0 at step 3 (+") and ", wall 20" in lines[0]
+    assert "placed at step 5" in lines[1]
+    assert lines[2] == ("event 2 at step 90 not applied (the run ended at step 6): device slow0 throughput 1 -> "
+                        "0.2 (0.500 -> 0.100 cores)")
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]  # written by rename: never half a number
+
+
+def events_poll():
+    from pdv_ext.emulate import player as player_module
+
+    return player_module.POLL_S
+
+
+def test_no_progress_reported_never_applies_and_never_hangs(spec, tmp_path):
+    player, applied, lines = _step_player(spec, tmp_path, {"at_step": 0, "device": "slow0", "throughput": 0.5})
+    player.start(time.monotonic())
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    player.stop()
+    assert time.monotonic() - t0 < 2 and applied == [] and not player._thread.is_alive()
+    assert lines == ["event 0 at step 0 not applied (no rank reported training progress: step events need rank 0 "
+                     "to call pdv_ext.emulate.events.mark_step(n) after each step): device slow0 throughput 1 -> "
+                     "0.5 (0.500 -> 0.250 cores)"]
+
+
+def test_mark_step_is_a_noop_outside_the_emulator_and_on_other_ranks(monkeypatch, tmp_path):
+    monkeypatch.delenv(events.STEP_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    events.mark_step(3)
+    assert os.listdir(tmp_path) == []
+    monkeypatch.setenv(events.STEP_ENV, str(tmp_path / "step"))
+    monkeypatch.setenv("RANK", "2")
+    events.mark_step(3)
+    assert os.listdir(tmp_path) == [] and events.read_step(str(tmp_path / "step")) is None
+    monkeypatch.setenv("RANK", "0")
+    events.mark_step(3)
+    events.mark_step(4)
+    assert os.listdir(tmp_path) == ["step"] and events.read_step(str(tmp_path / "step")) == 4
+
+
+def test_the_launcher_gives_a_step_timeline_its_step_file(spec, tmp_path):
+    em = launcher.Emulation(spec, ["true"], events=parse({"at_fraction": 0.5, "device": "slow0", "throughput": 0.5}),
+                            total_steps=30, events_clock="launch")
+    assert em.by_step and em.events[0].at_step == 15 and em.step_path is None
+    em._mark_dir = str(tmp_path)  # what setup() makes
+    env = em.rank_env(0)
+    assert env[events.STEP_ENV] == str(tmp_path / "step") and events.MARK_ENV not in env
+    with pytest.raises(ConfigError, match="needs the run's total steps"):
+        launcher.Emulation(spec, ["true"], events=parse({"at_fraction": 0.5, "device": "slow0", "throughput": 0.5}))
+    timed = launcher.Emulation(spec, ["true"], events=parse({"at": 1, "device": "slow0", "throughput": 0.5}))
+    timed._mark_dir = str(tmp_path)
+    assert not timed.by_step and events.STEP_ENV not in timed.rank_env(0)
+
+
+def test_dry_run_of_a_step_timeline(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**CLUSTER, "events": [{"at_fraction": 0.4, "device": "slow0", "throughput": 0.5},
+                                                          {"at_step": 10, "device": "slow0", "throughput": 1}]}))
+    assert cli.main(["--cluster", str(path), "--dry-run", "--top-share", "0.5", "--total-steps", "80"]) == 0
+    assert capsys.readouterr().out.splitlines()[-3:] == [
+        "timeline: 2 events, by training step, as rank 0 reports it (mark_step)",
+        "event 0 at step 10: device slow0 throughput 1 -> 1 (0.250 -> 0.250 cores)",
+        "event 1 at step 32 (0.4 of the run): device slow0 throughput 1 -> 0.5 (0.250 -> 0.125 cores)"]
+    assert cli.main(["--cluster", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"pdv emulate: {path}: events[0].at_fraction: a share of the run "
+                                               "needs the run's total steps"), err
