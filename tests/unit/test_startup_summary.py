@@ -159,3 +159,35 @@ def test_aggregator_line_shows_the_options_its_group_clamped():
     assert S.describe_in_force(agg) == "trimmed_mean(b=1) [clamped for a group of 2: b=0]"
     agg.bind(4, 0)
     assert S.describe_in_force(agg) == "trimmed_mean(b=1)"
+
+
+def _shares_lines(cfg, **kw):
+    eng = _engine(cfg, total_micro_batches=8, **kw)
+    return [ln for ln in S.startup_lines(eng, [S.local_facts(eng)] * 4, cfg) if "data shares" in ln]
+
+
+def test_the_data_shares_in_force_get_a_line(tmp_path):
+    """issue #35 item 5: the split of the global batch between the replicas was invisible at start-up."""
+    assert _shares_lines(load_pdv({})) == []  # "equal": DeepSpeed's own split, nothing to say
+    cfg = load_pdv({"data_shares": [5, 3]})
+    assert _shares_lines(cfg, data_shares=[5, 3]) == [
+        "pdv_ext: data shares [5, 3] micro-batches per data-parallel replica (8 a step)"]
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("devices: []\n")
+    cfg = load_pdv({"placement": {"cluster": str(cluster)}, "data_shares": "by_throughput"})
+    assert _shares_lines(cfg, data_shares=[6, 2]) == [
+        f"pdv_ext: data shares by_throughput on {cluster}: [6, 2] micro-batches per data-parallel replica (8 a step)"]
+    # by_throughput that comes out equal: the engine keeps None (DeepSpeed's split); the line says so
+    assert _shares_lines(cfg, data_shares=None) == [
+        f"pdv_ext: data shares by_throughput on {cluster}: [4, 4] micro-batches per data-parallel replica "
+        "(8 a step; an equal split)"]
+
+
+def test_the_shares_line_comes_after_placement_and_before_policies():
+    cfg = load_pdv({"placement": {"boundaries": [0, 1, 2]}, "data_shares": [3, 5]})
+    policy = SimpleNamespace(cfg=SimpleNamespace(every=1, monitor=SimpleNamespace(output_dir=None)),
+                             runner=SimpleNamespace(policies=[]))
+    eng = _engine(cfg, placement={"boundaries": [0, 1, 2], "rank_mapping": [[0, 1], [2, 3]]}, pdv_policy=policy,
+                  data_shares=[3, 5], total_micro_batches=8)
+    lines = S.startup_lines(eng, [S.local_facts(eng)] * 4, cfg)
+    assert [ln.split()[1] for ln in lines] == ["engine", "aggregator", "placement", "data", "policies"]

@@ -9,6 +9,7 @@ default, quiet with `"log_level": "warning"` in the DeepSpeed config):
     pdv_ext: engine PDVPipelineEngine: 2 stages x 2 data-parallel replicas (4 ranks)
     pdv_ext: aggregator adasum() on every stage's data-parallel group
     pdv_ext: placement boundaries [0, 3, 8], rank mapping [[0, 3], [1, 2]] (plan plan.json, solver dp; predicted step 161.6 ms)
+    pdv_ext: data shares by_throughput on cluster.yaml: [5, 3] micro-batches per data-parallel replica (8 a step)
     pdv_ext: policies gns_batch_size(...) (agreed every 1 step; monitor -> runs/demo)
     pdv_ext: init search: 16 candidates on 4 ranks in 12.3 s; winner ... (score 2.1, default 2.4)
     pdv_ext: faults sign_flip from ranks [3]
@@ -120,6 +121,26 @@ def _policy_line(engine: Any) -> Optional[str]:
     return f"{head} (agreed every {cfg.every} step{'s' if cfg.every != 1 else ''}; monitor -> {where})"
 
 
+def _shares_line(engine: Any, cfg: Any, dp: int) -> Optional[str]:
+    """The data shares in force (micro-batches per data-parallel replica) when `pdv.data_shares` is not
+    `equal`: the configured list, or `by_throughput` with the list it gave (an equal split included)."""
+    asked = getattr(cfg, "data_shares", "equal")
+    if asked is None or asked == "equal":
+        return None
+    total = getattr(engine, "total_micro_batches", None)
+    shares = getattr(engine, "data_shares", None)
+    if shares is None and total:  # an equal split: the engine keeps None (DeepSpeed's own)
+        shares = [int(total) // dp] * dp
+    shares = [int(x) for x in shares] if shares is not None else None
+    notes = ([f"{int(total)} a step"] if total else []) + (["an equal split"] if shares and len(set(shares)) == 1 else [])
+    if isinstance(asked, str):  # by_throughput
+        cluster = getattr(getattr(cfg, "placement", None), "cluster", None)
+        head = f"data shares {asked}" + (f" on {cluster}" if cluster else "") + f": {shares}"
+    else:
+        head = f"data shares {shares}"
+    return f"{head} micro-batches per data-parallel replica" + (f" ({'; '.join(notes)})" if notes else "")
+
+
 def _init_search_line(engine: Any) -> Optional[str]:
     rep = getattr(engine, "init_search_report", None)
     if not rep:
@@ -151,7 +172,8 @@ def startup_lines(engine: Any, facts: List[Dict[str, Any]], cfg: Any) -> List[st
         lines.append(f"aggregator {next(iter(per_stage.values()))} on every stage's data-parallel group{how}")
     elif per_stage:
         lines.append("aggregator per stage: " + "; ".join(f"stage {s}: {a}" for s, a in sorted(per_stage.items())) + how)
-    for line in (_placement_line(engine, cfg), _policy_line(engine), _init_search_line(engine)):
+    for line in (_placement_line(engine, cfg), _shares_line(engine, cfg, dp), _policy_line(engine),
+                 _init_search_line(engine)):
         if line:
             lines.append(line)
     faults = getattr(cfg, "faults", None)
