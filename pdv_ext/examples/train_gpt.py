@@ -26,6 +26,7 @@ import torch
 from deepspeed.pipe import PipelineModule
 
 import pdv_ext
+from pdv_ext.emulate.events import mark_step
 from pdv_ext.models import ByteWindows, gpt_layers, lm_loss, seed_layer, text_splits
 from pdv_ext.registry import RegistryError, import_user_modules
 
@@ -92,9 +93,11 @@ def main() -> None:
               flush=True)
     start = time.perf_counter()
     final = float("nan")
+    mark_step(0)  # under `pdv emulate`, events placed `at_step` count these steps (a no-op elsewhere)
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
         loss = float(engine.train_batch(data_iter=train))
+        mark_step(step)
         m = glue.last_metrics if glue is not None else {"step_time": time.perf_counter() - t0}
         eval_loss = None
         if step % args.eval_every == 0 or step == args.steps:
