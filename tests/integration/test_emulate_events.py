@@ -90,3 +90,50 @@ def test_pair_and_link_events_change_the_running_link_rate_from_the_mark(tmp_pat
     again = _rate(windows, t2 + 0.3, float("inf"))
     assert slow <= 1.2 * 20e6 / 8, (before, slow, again)  # the new rate is a ceiling
     assert before >= 3 * slow and again >= 3 * slow, (before, slow, again)  # the pair's and the uplinks' classes
+
+
+STEPPER = ("import json, sys, time\n"
+           "from pdv_ext.emulate.events import mark_step\n"
+           "walls = []\n"
+           "for i in range(int(sys.argv[1])):\n"
+           "    mark_step(i)\n"
+           "    walls.append(time.time())\n"
+           "    time.sleep(0.1)\n"
+           "print(json.dumps(walls))\n")
+
+
+def _emulate_steps(tmp_path, events, steps):
+    cluster, ev, log = tmp_path / "c.yaml", tmp_path / "events.yaml", tmp_path / "events.jsonl"
+    cluster.write_text(CLUSTER)
+    ev.write_text(events)
+    run = f"pdv-{secrets.token_hex(3)}"
+    p = subprocess.run([sys.executable, "-m", "pdv_ext.cli", "emulate", "--cluster", str(cluster), "--run-name", run,
+                        "--top-share", str(TOP_SHARE), "--events", str(ev), "--events-log", str(log),
+                        "--timeout", "40", "--", sys.executable, "-c", STEPPER, str(steps)],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert not _leftovers(run)
+    return p, [json.loads(line) for line in log.read_text().splitlines()]
+
+
+@pytest.mark.timeout(90)
+def test_step_events_follow_rank_0s_reported_steps(tmp_path):
+    """Rank 0 reports steps 0..29 every 0.1 s (rank 1's reports do not count): the event at step 10 is applied
+    once step 10 is reported, and not before; one at step 100 is not reached and is said so."""
+    p, rows = _emulate_steps(tmp_path, "- {at_step: 10, device: d1, throughput: 0.5}\n"
+                                       "- {at_step: 100, device: d1, throughput: 1.0}\n", 30)
+    applied, cut = rows
+    walls = json.loads(next(line.split("] ", 1)[1] for line in p.stdout.splitlines() if line.startswith("[rank 0] ")))
+    assert (applied["applied"], applied["at_step"], applied["at"]) == (True, 10, None)
+    # step 10 is written 0.1 s after step 9 was: an event applied at step 9 would be within ~0.02 s of walls[9]
+    assert applied["applied_step"] in (10, 11) and applied["wall"] > walls[9] + 0.05
+    assert (cut["applied"], cut["applied_step"], cut["reason"]) == (False, None, "the run ended at step 29")
+    assert "event 0 at step 1" in p.stderr and "event 1 at step 100 not applied (the run ended at step 29)" in p.stderr
+
+
+@pytest.mark.timeout(90)
+def test_step_events_without_progress_never_apply_and_the_run_ends(tmp_path):
+    p, rows = _emulate_steps(tmp_path, "- {at_step: 0, device: d1, throughput: 0.5}\n", 0)
+    assert [(r["applied"], r["reason"]) for r in rows] == [
+        (False, "no rank reported training progress: step events need rank 0 to call "
+                "pdv_ext.emulate.events.mark_step(n) after each step")]
