@@ -100,6 +100,9 @@ def train_modes(modes: List[str], aggregators: List[Any], steps: int = 3, stages
             if glue is not None:  # what the Monitor measured at the last step
                 runs[name]["metrics"] = {k: v for k, v in glue.last_metrics.items() if isinstance(v, (int, float))}
             if hasattr(eng, "aggregator"):
+                from pdv_ext.integrations.deepspeed.internals import missing_instance_names
+
+                runs[name]["missing_internals"] = missing_instance_names(eng)
                 runs[name]["aggregator_steps"] = eng.aggregator.step
                 v = getattr(eng.aggregator, "_v", None)  # Zeno's validation gradient (flat), when it keeps one
                 if isinstance(v, torch.Tensor):

@@ -29,6 +29,7 @@ def test_configured_aggregator_does_the_reduction():
                     timeout=200)
     ref = run_ranks("tests.integration.workers:train_mlp", 4, dict(engine="pdv", steps=steps), timeout=200)
     for r, m in zip(res, ref):
+        assert r["missing_internals"] == [] and m["missing_internals"] == []  # what internals.py uses is there
         assert r["aggregator"] == "counting_sum"
         assert r["aggregate_calls"] == steps  # one ReduceGrads per train_batch
         # a sum is twice the mean with 2 replicas: same first loss, different trajectory

@@ -43,6 +43,7 @@ def test_mean_is_bit_identical_and_a_takeover_averages_like_deepspeed():
             runs = r[mode]
             van, mean, plain = runs["vanilla"], runs["mean"], runs["plain_mean"]
             assert (mean["optimizer"], mean["reduce_mode"]) == EXPECTED[mode], mode
+            assert mean["missing_internals"] == [], (mode, mean["missing_internals"])  # what internals.py uses
             assert mean["native"] is True and plain["native"] is False
             assert mean["losses"] == van["losses"], mode
             for n, w in van["weights"].items():

@@ -30,6 +30,7 @@ def train_mlp(engine: str = "pdv", steps: int = 3, stages: int = 2, layers: int 
     import torch.distributed as dist
 
     import pdv_ext
+    from pdv_ext.integrations.deepspeed.internals import missing_instance_names
     from pdv_ext.models import mlp_layers, seed_layer, synthetic_batches
 
     torch.manual_seed(seed)
@@ -48,7 +49,8 @@ def train_mlp(engine: str = "pdv", steps: int = 3, stages: int = 2, layers: int 
     weights = {name: p.detach().clone() for name, p in eng.module.named_parameters()}
     return {"losses": losses, "weights": weights, "initial": initial, "stage": eng.stage_id, "parts": list(eng.module.parts),
             "dp_ranks": sorted(eng.grid.dp_group), "rank": dist.get_rank(),
-            "engine": type(eng).__name__, "aggregator": getattr(getattr(eng, "aggregator", None), "name", None)}
+            "engine": type(eng).__name__, "aggregator": getattr(getattr(eng, "aggregator", None), "name", None),
+            "missing_internals": missing_instance_names(eng)}
 
 
 class CountingSum:

@@ -64,6 +64,29 @@ INSTANCE_NAMES: Dict[str, Tuple[str, ...]] = {
 }
 
 
+def missing_instance_names(engine: Any) -> List[str]:
+    """Each of `INSTANCE_NAMES` a live engine (or its module, grid, optimizer, parameters) lacks, as
+    "Class.attr": the names no import can check, checked on a built engine by the engine tests."""
+    out = []
+
+    def need(obj: Any, owner: str, names: Sequence[str]) -> None:
+        out.extend(f"{owner}.{n}" for n in names if not hasattr(obj, n))
+
+    need(engine.module, "PipelineModule", INSTANCE_NAMES["PipelineModule"])
+    need(engine, "PipelineEngine", INSTANCE_NAMES["PipelineEngine"])
+    need(engine.grid, "PipelineParallelGrid", INSTANCE_NAMES["PipelineParallelGrid"])
+    opt = engine.optimizer
+    if hasattr(opt, "bf16_groups") or hasattr(opt, "single_partition_of_fp32_groups"):  # BF16_Optimizer, ZeRO-1
+        need(opt, type(opt).__name__, INSTANCE_NAMES["BF16_Optimizer / DeepSpeedZeroOptimizer"])
+        groups = getattr(opt, "bf16_groups", None) or getattr(opt, "bit16_groups", [])
+        params = [p for g in groups for p in g if p.numel() > 0]
+        if params and not any(hasattr(p, "_hp_mapping") for p in params):
+            out.append("parameter._hp_mapping")
+    if hasattr(opt, "single_partition_of_fp32_groups"):
+        need(opt, type(opt).__name__, INSTANCE_NAMES["DeepSpeedZeroOptimizer"])
+    return out
+
+
 def _resolve(module: str, path: str) -> Any:
     obj: Any = importlib.import_module(module)
     for part in path.split("."):
