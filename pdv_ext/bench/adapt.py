@@ -498,7 +498,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(argv[1], encoding="utf-8") as f:
             return rank_main(json.load(f))
     ap = parser("adapt", __doc__.split("\n\n")[0])
-    ap.add_argument("--scenario", required=True, help="scenario YAML (launch/scenarios/*.yaml)")
+    ap.add_argument("--scenario", required=True,
+                    help="scenario YAML (`pdv example scenarios DIR` copies the shipped ones; in a checkout: "
+                         "launch/scenarios/*.yaml)")
     ap.add_argument("--steps", type=int, default=None, help="override run.steps (e.g. a short smoke run)")
     ap.add_argument("--only", default=None, help="comma-separated subset of static,adaptive,oracle")
     ap.add_argument("--out", default=None, help="where the full result goes (default build/bench-adapt/<name>.json)")

@@ -28,7 +28,7 @@ PREFIX = "pdv_ext: "
 
 def plugin_label(plugin: Any) -> str:
     """The name a user knows a plug-in by: the one the config gave (`plugin_name`, e.g.
-    `"launch.my_policy:PlateauLR"`), else the `name` its own class sets (registration sets it), else its
+    `"my_policy:PlateauLR"`), else the `name` its own class sets (registration sets it), else its
     class's name: an unregistered subclass would otherwise show its base's placeholder (`policy(...)`,
     `base(...)`)."""
     own = getattr(plugin, "__dict__", {}).get("name") or vars(type(plugin)).get("name")
