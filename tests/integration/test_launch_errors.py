@@ -57,3 +57,34 @@ def test_a_missing_import_is_a_config_error_too(tmp_path):
     lines = [line.strip() for line in out.splitlines() if "no_such_module_fh" in line and "spawned" not in line
              and "launch.py" not in line and "cmd = " not in line]  # not the launcher's command lines
     assert len(lines) == 1 and lines[0].startswith("--import: cannot import module 'no_such_module_fh'"), out
+
+
+def test_initialize_without_the_decorator_is_reported_once_too(tmp_path):
+    """issue #35 item 3: a script without `@exit_on_config_error` that hands a bad "pdv" section to
+    `pdv_ext.initialize` (after the process group its PipelineModule needs) printed a traceback per rank and
+    exited 1; the ConfigError nothing catches now ends each rank with the lines once (rank 0) and status 2."""
+    script = tmp_path / "no_decorator.py"
+    script.write_text(textwrap.dedent("""\
+        import deepspeed
+        import torch
+        from deepspeed.pipe import PipelineModule
+
+        import pdv_ext
+        from pdv_ext.models import mlp_layers
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        model = PipelineModule(layers=mlp_layers(4, 8, 8, 2), num_stages=2, loss_fn=torch.nn.CrossEntropyLoss())
+        pdv_ext.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                               "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                               "pdv": {"aggregation": {"type": "adasun"}}})
+        print("not reached")
+        """))
+    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    rc, out = run_command([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), str(script)],
+                          env=env, timeout=240, tail_lines=400)
+    assert rc == 2, out
+    assert "Traceback" not in out and "not reached" not in out, out
+    assert out.count("pdv_ext: invalid configuration") == 1, out
+    assert out.count("pdv.aggregation.type: unknown aggregator 'adasun'") == 1, out
