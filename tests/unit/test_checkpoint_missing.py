@@ -58,3 +58,27 @@ def test_the_engine_raises_unless_missing_ok(tmp_path, monkeypatch):
     with pytest.raises(CheckpointNotFound, match="no_such_dir"):
         PDVPipelineEngine.load_checkpoint(eng, where)
     assert PDVPipelineEngine.load_checkpoint(eng, where, missing_ok=True) == (None, None)
+
+
+@pytest.mark.parametrize("answers, expected", [
+    ([None, None, None], None),
+    (["load_checkpoint: 'x' does not exist"] * 3, "load_checkpoint: 'x' does not exist"),
+    ([None, "load_checkpoint: 'x' does not exist", None],
+     "load_checkpoint: 'x' does not exist on rank(s) 1 (the other ranks found it: every node needs the same "
+     "checkpoint folder)"),
+])
+def test_every_rank_gets_the_same_answer(monkeypatch, answers, expected):
+    """Node-local folders: where one rank finds nothing, every rank raises (none goes on loading alone)."""
+    import torch.distributed as dist
+
+    from pdv_ext.integrations.deepspeed.engine import agreed_missing
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: len(answers))
+
+    def gather(out, obj, group=None):
+        out[:] = answers
+
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    for mine in answers:  # whatever this rank saw, the agreed answer is the same
+        assert agreed_missing(mine) == expected

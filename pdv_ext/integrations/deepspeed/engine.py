@@ -488,9 +488,10 @@ class PDVPipelineEngine(internals.EngineSeam):
         Nothing to load (no folder `load_dir`, no `latest` file in it without a `tag`, no folder for the tag)
         raises `CheckpointNotFound` (a ConfigError naming the path) where DeepSpeed would warn and train from
         scratch; with `missing_ok=True` it returns `(None, None)` as DeepSpeed does (rank 0 logs one line):
-        the resume-if-there-is-one pattern."""
+        the resume-if-there-is-one pattern. Every rank gets the same answer: where some ranks (node-local
+        folders) find a checkpoint and others do not, all raise, naming the ranks that found nothing."""
         latest = "latest_universal" if self.load_universal_checkpoint() else "latest"
-        missing = missing_checkpoint(load_dir, tag, latest)
+        missing = agreed_missing(missing_checkpoint(load_dir, tag, latest))
         if missing is not None:
             if not missing_ok:
                 raise CheckpointNotFound([missing])
@@ -513,6 +514,25 @@ class PDVPipelineEngine(internals.EngineSeam):
 # ---------------------------------------------------------------------------------------------------
 # initialize
 # ---------------------------------------------------------------------------------------------------
+def agreed_missing(missing: Optional[str]) -> Optional[str]:
+    """This rank's `missing_checkpoint` answer made the same on every rank (one small all-gather): a
+    checkpoint some ranks can read and others cannot would leave the readers loading while the others stop."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return missing
+    seen: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, missing)
+    lacking = [r for r, m in enumerate(seen) if m is not None]
+    if not lacking:
+        return None
+    if len(lacking) == len(seen):
+        return seen[0]
+    first = seen[lacking[0]]
+    return (f"{first} on rank(s) {', '.join(map(str, lacking))} (the other ranks found it: every node needs the "
+            "same checkpoint folder)")
+
+
 def _bind_local_device() -> None:
     """Bind this process to its GPU (`LOCAL_RANK`, as DeepSpeed's engine does later) on accelerators with
     devices: NCCL object collectives stage on the current device, which is GPU 0 for every rank of a node
