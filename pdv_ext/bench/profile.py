@@ -11,12 +11,18 @@ each layer, no calibration to the whole pass) — `predicted_layer_timing_ms` an
 ways are the same method; on CUDA the default is events in the stream and the whole-pass calibration.
 Defaults are the issue's model (8 blocks, hidden 1024, 16 heads, 256 tokens, micro-batches of 8, 4 of them);
 `--quick` is a small model for a smoke run.
+
+`--rounds R` (default 3): the profile and the measured step are taken R times (the measured steps in R
+blocks of one run; DeepSpeed's own per-step work, which the profile adds, timed once) and each round's
+prediction is set against its own measurement; `prediction_error` is the median over the rounds,
+`worst_round_error` the largest, `rounds` each round's figures (a GPU's measured step moved 8% between
+single runs: one round decides nothing).
 """
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from .common import emit, log, parser
 
@@ -48,9 +54,10 @@ def gpt_profile(model: Dict[str, int], device: str, reps: int = 5, timing: str =
 
 
 def measured_step(model: Dict[str, int], stages: int = 1, plan: Optional[Dict[str, Any]] = None,
-                  steps: int = 12, warmup: int = 4) -> float:
+                  steps: int = 12, warmup: int = 4, rounds: int = 1) -> List[float]:
     """One rank of a real DeepSpeed pipeline of the GPT (fp32, AdamW, clipping 1.0 as launch/configs/demo.json)
-    on this rank's device: the median wall time of `train_batch` after `warmup` steps. Run under `run_ranks`."""
+    on this rank's device: the median wall time of `train_batch` in each of `rounds` blocks of `steps` steps,
+    after `warmup` steps. Run under `run_ranks`."""
     import deepspeed
     import torch
     from deepspeed.accelerator import get_accelerator
@@ -78,45 +85,56 @@ def measured_step(model: Dict[str, int], stages: int = 1, plan: Optional[Dict[st
             yield ids, ids
 
     it, times = data(), []
-    for s in range(warmup + steps):
+    for s in range(warmup + steps * rounds):
         acc.synchronize()
         t0 = time.perf_counter()
         engine.train_batch(data_iter=it)
         acc.synchronize()
         if s >= warmup:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return [statistics.median(times[r * steps:(r + 1) * steps]) for r in range(rounds)]
 
 
 def run(model: Dict[str, int], device: str, stages: int = 1, reps: int = 5, engine: bool = True,
-        timeout: float = 900.0) -> Dict[str, Any]:
-    """Profile, plan, measure; the result of one `pdv bench profile` run."""
+        timeout: float = 900.0, rounds: int = 3) -> Dict[str, Any]:
+    """Profile, plan, measure, `rounds` times; the result of one `pdv bench profile` run (medians over rounds)."""
     from ..placement.cluster import Cluster
+    from ..placement.profile import engine_overhead
     from ..placement.solvers import solve
     from ..spawn import run_ranks
 
     cluster = Cluster.from_dict({"devices": [{"name": f"dev{i}", "host": "h"} for i in range(stages)]})
-    log(f"[bench profile] profiling {model['layers']} blocks on {device}")
-    prof = gpt_profile(model, device, reps, engine=engine)
-    layer_way = gpt_profile(model, device, reps, timing="layer", calibrate=False, engine=False)
-    layer_way.engine = prof.engine
-    plan = solve("dp", prof, cluster, stages, model["micro_batches"])
-    baseline = solve("dp", layer_way, cluster, stages, model["micro_batches"])
+    overhead, profiles = None, []
+    for r in range(rounds):
+        log(f"[bench profile] round {r + 1}/{rounds}: profiling {model['layers']} blocks on {device}")
+        prof = gpt_profile(model, device, reps, engine=False)
+        if engine and r == 0:
+            overhead = engine_overhead(len(prof))  # DeepSpeed's own work, timed once for every round
+        prof.engine = overhead
+        layer_way = gpt_profile(model, device, reps, timing="layer", calibrate=False, engine=False)
+        layer_way.engine = overhead
+        profiles.append((prof, solve("dp", prof, cluster, stages, model["micro_batches"]),
+                         solve("dp", layer_way, cluster, stages, model["micro_batches"])))
+    plan = profiles[0][1]
     placement = {"boundaries": plan.boundaries, "rank_mapping": plan.rank_mapping}
-    log(f"[bench profile] training {stages} stage(s) {plan.boundaries} with DeepSpeed")
+    log(f"[bench profile] training {stages} stage(s) {plan.boundaries} with DeepSpeed, {rounds} block(s) of steps")
     accel = "cuda" if _cuda(device) else "cpu"
-    measured = max(run_ranks("pdv_ext.bench.profile:measured_step", stages,
-                             {"model": model, "stages": stages, "plan": placement if stages > 1 else None},
-                             timeout=timeout, env={"DS_ACCELERATOR": accel}))
-    err = abs(plan.predicted_step_time - measured) / measured
-    base_err = abs(baseline.predicted_step_time - measured) / measured
+    per_rank = run_ranks("pdv_ext.bench.profile:measured_step", stages,
+                         {"model": model, "stages": stages, "plan": placement if stages > 1 else None,
+                          "rounds": rounds}, timeout=timeout, env={"DS_ACCELERATOR": accel})
+    measured = [max(rank[r] for rank in per_rank) for r in range(rounds)]  # the slowest stage's step
+    rows = []
+    for (prof, p, base), m in zip(profiles, measured):
+        rows.append({"predicted_ms": round(p.predicted_step_time * 1e3, 3), "measured_ms": round(m * 1e3, 3),
+                     "prediction_error": round(abs(p.predicted_step_time - m) / m, 4),
+                     "predicted_layer_timing_ms": round(base.predicted_step_time * 1e3, 3),
+                     "layer_timing_error": round(abs(base.predicted_step_time - m) / m, 4)})
+    med = {k: round(statistics.median(row[k] for row in rows), 4) for k in rows[0]}
+    prof = profiles[0][0]
     return {"device": device, "stages": stages, "boundaries": plan.boundaries, **model,
             "timing": prof.meta.get("timing"), "calibrated": "whole_pass_seconds" in prof.meta,
-            "engine_measured": prof.engine is not None,
-            "predicted_ms": round(plan.predicted_step_time * 1e3, 3), "measured_ms": round(measured * 1e3, 3),
-            "prediction_error": round(err, 4),
-            "predicted_layer_timing_ms": round(baseline.predicted_step_time * 1e3, 3),
-            "layer_timing_error": round(base_err, 4)}
+            "engine_measured": overhead is not None, "rounds_taken": rounds, **med,
+            "worst_round_error": max(row["prediction_error"] for row in rows), "rounds": rows}
 
 
 def main(argv=None) -> int:
@@ -127,6 +145,8 @@ def main(argv=None) -> int:
         ap.add_argument("--" + key.replace("_", "-"), type=int, default=None, help=f"default {value}")
     ap.add_argument("--reps", type=int, default=5, help="profile rounds per layer (median)")
     ap.add_argument("--no-engine", action="store_true", help="leave DeepSpeed's own work out of the profile")
+    ap.add_argument("--rounds", type=int, default=3, help="profile + measured step taken this many times; the "
+                    "error reported is the median over rounds (default 3)")
     ap.add_argument("--quick", action="store_true", help="a small model (smoke run)")
     args = ap.parse_args(argv)
     import torch
@@ -137,8 +157,8 @@ def main(argv=None) -> int:
     if _cuda(device) and torch.cuda.device_count() < args.stages:
         ap.error(f"--device {device} --stages {args.stages}: needs {args.stages} CUDA devices (one rank each; NCCL "
                  f"refuses two ranks on one device), found {torch.cuda.device_count()}")
-    if args.stages < 1 or args.reps < 1:
-        ap.error("--stages and --reps must be >= 1")
+    if args.stages < 1 or args.reps < 1 or args.rounds < 1:
+        ap.error("--stages, --reps and --rounds must be >= 1")
     model = dict(QUICK if args.quick else DEFAULTS)
     for key in DEFAULTS:
         given = getattr(args, key)
@@ -146,7 +166,7 @@ def main(argv=None) -> int:
             if given < 1:
                 ap.error(f"--{key.replace('_', '-')} must be >= 1 (got {given})")
             model[key] = given
-    emit(run(model, device, args.stages, args.reps, engine=not args.no_engine), args.json)
+    emit(run(model, device, args.stages, args.reps, engine=not args.no_engine, rounds=args.rounds), args.json)
     return 0
 
 

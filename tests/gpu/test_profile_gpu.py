@@ -61,7 +61,7 @@ def test_bench_profile_runs_on_cuda(capsys):
     full; with it this test alone took 63 s of the tier on an H200 (2026-11-26)."""
     from pdv_ext.bench.profile import main
 
-    assert main(["--device", "cuda", "--quick", "--reps", "2", "--no-engine", "--json"]) == 0
+    assert main(["--device", "cuda", "--quick", "--reps", "2", "--no-engine", "--rounds", "2", "--json"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["device"] == "cuda" and res["calibrated"] and res["timing"].startswith("events")
     assert res["measured_ms"] > 0 and res["predicted_ms"] > 0 and res["prediction_error"] >= 0
