@@ -1,10 +1,10 @@
 """Adaptive policy layer: the Monitor (cheap per-step metrics), the Policy API and its Actions, and the
 PolicyRunner that makes every rank apply the same actions at the same step. See docs/policy.md."""
-from .base import (POLICIES, Action, Policy, SetAggregator, SetBatchSize, SetDataShares, SetGossipPeers,
+from .base import (POLICIES, Action, Change, Policy, SetAggregator, SetBatchSize, SetDataShares, SetGossipPeers,
                    SetLearningRate, TrainContext, build_policy, register_policy)
 from . import builtin  # noqa: F401,E402  (registers the built-in policies, as aggregation/ does its aggregators)
 
-__all__ = ["POLICIES", "Action", "Policy", "SetAggregator", "SetBatchSize", "SetDataShares", "SetGossipPeers",
+__all__ = ["POLICIES", "Action", "Change", "Policy", "SetAggregator", "SetBatchSize", "SetDataShares", "SetGossipPeers",
            "SetLearningRate", "TrainContext", "build_policy", "register_policy", "Monitor", "PolicyRunner",
            "ElasticBatches"]
 

@@ -110,6 +110,59 @@ def action_from_dict(d: Dict[str, Any]) -> Action:
     return ACTIONS[d.pop("action")](**d)
 
 
+#: Change.kind of each action (what an applied action changed)
+CHANGE_KINDS: Dict[Type[Action], str] = {SetDataShares: "shares", Replan: "replan", SetBatchSize: "batch_size",
+                                         SetAggregator: "aggregator", SetGossipPeers: "gossip_peers",
+                                         SetLearningRate: "lr"}
+
+
+@dataclass(frozen=True)
+class Change:
+    """What the runner announces to every policy (`Policy.on_change`) right after it applied a change, on every
+    rank, identically: the system's other policies changed something, or this one did, or a checkpoint brought
+    another plan or split. What a policy measured before it may be stale now.
+
+    `kind`: `shares`, `replan` (the pipeline moved), `batch_size`, `aggregator`, `gossip_peers`, `lr`, or
+    `checkpoint` (a resumed run found another plan or other data shares in force than the checkpoint's).
+    `step`: the step boundary it took effect at (the next step runs under it). `source`: the deciding policy
+    (empty for `checkpoint`). What is in force after it: `shares` (micro-batches per data-parallel replica,
+    None: the equal split), `boundaries` and `rank_mapping` (the pipeline plan; empty where the framework has
+    no pipeline), `micro_batch_size`, `micro_batches` (per replica, the equal split's), `dp_size`. `action`:
+    the applied action's dict (None for `checkpoint`)."""
+
+    kind: str
+    step: int
+    source: str = ""
+    shares: Optional[Tuple[int, ...]] = None
+    boundaries: Tuple[int, ...] = ()
+    rank_mapping: Tuple[Tuple[int, ...], ...] = ()
+    micro_batch_size: int = 0
+    micro_batches: int = 0
+    dp_size: int = 0
+    action: Optional[Dict[str, Any]] = None
+
+    #: the kinds after which per-replica or per-device work is different: timings taken before are stale
+    WORK_KINDS: ClassVar[Tuple[str, ...]] = ("shares", "replan", "batch_size", "checkpoint")
+
+    def __post_init__(self) -> None:
+        if self.shares is not None:
+            object.__setattr__(self, "shares", tuple(int(n) for n in self.shares))
+        object.__setattr__(self, "boundaries", tuple(int(b) for b in self.boundaries))
+        object.__setattr__(self, "rank_mapping", tuple(tuple(int(r) for r in row) for row in self.rank_mapping))
+
+    @property
+    def moves_work(self) -> bool:
+        """Whether the work of a replica or a device changed (shares, plan, batch geometry)."""
+        return self.kind in self.WORK_KINDS
+
+    @property
+    def plan(self) -> Optional[Dict[str, Any]]:
+        """`{"boundaries", "rank_mapping"}` in force after the change (lists), None without a pipeline."""
+        if not self.boundaries or not self.rank_mapping:
+            return None
+        return {"boundaries": list(self.boundaries), "rank_mapping": [list(r) for r in self.rank_mapping]}
+
+
 # ---------------------------------------------------------------------------------------------------
 # Policies
 # ---------------------------------------------------------------------------------------------------
@@ -146,6 +199,11 @@ class Policy(WithOptions):
 
     def after_step(self, metrics: Dict[str, Any]) -> List[Action]:
         return []
+
+    def on_change(self, change: "Change") -> None:
+        """Called on every rank, by the runner, right after a change was applied (any policy's, this one's
+        too, or a checkpoint's other plan): restart what the change made stale. Must not communicate nor
+        return actions; runs identically on every rank. Default: nothing."""
 
     def state_dict(self) -> Dict[str, Any]:
         return {}

@@ -17,8 +17,8 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 import torch
 
 from ..comm.base import Comm
-from .base import (Action, Policy, Replan, SetAggregator, SetBatchSize, SetDataShares, SetGossipPeers,
-                   SetLearningRate, TrainContext, action_from_dict)
+from .base import (CHANGE_KINDS, Action, Change, Policy, Replan, SetAggregator, SetBatchSize, SetDataShares,
+                   SetGossipPeers, SetLearningRate, TrainContext, action_from_dict)
 from ..log import logger as pdv_logger
 from .gns import lr_factor
 from .shares import check_shares
@@ -84,6 +84,10 @@ class PolicyRunner:
         self._geom: Optional[Tuple[int, int, int]] = None
         #: what the last Replan's move measured (MoveReport.to_dict()), for policies and benchmarks
         self.last_move: Optional[Dict[str, Any]] = None
+        #: every change announced to the policies (Change), identical on all ranks
+        self.changes: List[Change] = []
+        #: the plan and shares in force when last seen (start, change): a resume under others is announced
+        self._in_force: Optional[Dict[str, Any]] = None
 
     # ---- hooks ----------------------------------------------------------------------------------
     def context(self, step: int = 0) -> TrainContext:
@@ -102,6 +106,12 @@ class PolicyRunner:
         for i, pol in enumerate(self.policies):
             if i not in self.disabled:
                 self._guard(i, step, pol.on_train_begin, ctx, local=True)
+        # a checkpoint taken under another plan or split (a layer-keyed load, another world): the policies'
+        # restored measurements belong to what the checkpoint had in force, not to what runs now
+        before, now = self._in_force, self._in_force_now()
+        if before is not None and (before["shares"], before["plan"]) != (now["shares"], now["plan"]):
+            self._announce(Change(kind="checkpoint", step=step, **self._state_fields()))
+        self._in_force = now
 
     def after_step(self, metrics: Dict[str, Any]) -> List[Action]:
         """Collective: every rank calls it with the (identical) metrics of the step just finished.
@@ -136,7 +146,38 @@ class PolicyRunner:
             if self.comm.rank == 0:
                 log.info("step %d: policy '%s' applied %s: %s", step, action.source, _action_text(action), effect)
             applied.append(action)
+            if effect != "no change":
+                self._announce(Change(kind=CHANGE_KINDS[type(action)], step=step, source=action.source,
+                                      action=action.to_dict(), **self._state_fields()))
         return applied
+
+    # ---- one adaptive system: every applied change is announced to every policy ---------------------
+    def _in_force_now(self) -> Dict[str, Any]:
+        """The data shares and the pipeline plan in force (what a policy's measurements belong to)."""
+        ap = self.applier
+        shares = ap.data_shares() if hasattr(ap, "data_shares") else None
+        pl = ap.placement() if hasattr(ap, "placement") else None
+        plan = None if not pl else {"boundaries": [int(b) for b in pl["boundaries"]],
+                                    "rank_mapping": [[int(r) for r in row] for row in pl["rank_mapping"]]}
+        return {"shares": None if shares is None else [int(n) for n in shares], "plan": plan}
+
+    def _state_fields(self) -> Dict[str, Any]:
+        now = self._in_force_now()
+        mbs, mb, dp = self.applier.batch_geometry()
+        plan = now["plan"] or {}
+        return {"shares": now["shares"], "boundaries": tuple(plan.get("boundaries", ())),
+                "rank_mapping": tuple(tuple(r) for r in plan.get("rank_mapping", ())),
+                "micro_batch_size": int(mbs), "micro_batches": int(mb), "dp_size": int(dp)}
+
+    def _announce(self, change: Change) -> None:
+        """Tell every enabled policy, on every rank (each rank runs this after the same apply: the same
+        change, in the same order). No communication: what is in force is identical on every rank."""
+        self.changes.append(change)
+        self._in_force = {"shares": None if change.shares is None else list(change.shares),
+                          "plan": change.plan}
+        for i, pol in enumerate(self.policies):
+            if i not in self.disabled:
+                self._guard(i, change.step, pol.on_change, change, local=True)
 
     # ---- rank 0 ---------------------------------------------------------------------------------
     def _decide(self, metrics: Dict[str, Any]) -> None:
@@ -323,7 +364,7 @@ class PolicyRunner:
                 "errors": list(self.errors), "action_log": list(self.action_log), "base_lrs": self.base_lrs,
                 "lr_scale": self.lr_scale, "written": self._written, "step": self.step,
                 "queue": list(self._queue), "queued_errors": list(self._queued_errors), "stop": self._stop,
-                "geom": self._geom}
+                "geom": self._geom, "in_force": self._in_force}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if len(state["policies"]) != len(self.policies):
@@ -337,6 +378,7 @@ class PolicyRunner:
         self.step = state["step"]
         self._queue, self._queued_errors = list(state.get("queue", [])), list(state.get("queued_errors", []))
         self._stop, self._geom = state.get("stop"), state.get("geom")
+        self._in_force = state.get("in_force")  # compared with what runs now at the next on_train_begin
 
 
 def _first(lrs: Sequence[float]) -> float:

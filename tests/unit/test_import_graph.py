@@ -10,10 +10,14 @@ How an import statement maps to edges (importer -> imported module):
 * `from P import x` (absolute or relative; `.` is the importer's package, a package's `__init__` being
   the package itself) -> `P.x` when `P.x` is a module (a submodule import), else -> `P` (a name that
   `P`'s module, or its package `__init__`, defines or re-exports);
-* the parent packages Python initialises first (`pdv_ext.a` before `pdv_ext.a.b`) are NOT edges: with them,
-  every package `__init__` that re-exports its submodules would form a circle with each of them. So a
-  package `__init__` importing its submodules is no circle by itself; it is one when such a submodule
-  imports back a name *from the package* (`from . import name`, `from pdv_ext.a import name`).
+* the parent packages Python initialises first (`pdv_ext.a` before `pdv_ext.a.b`) are edges too, from the
+  importer to each parent package of the target *that is not a parent of the importer itself*: importing
+  `pdv_ext.b.y` from `pdv_ext.a.x` runs `pdv_ext/b/__init__.py` first, and when that `__init__` imports
+  `pdv_ext.a.x` back, the circle runs through it (`a.x -> b -> a.x`) though no statement names `pdv_ext.b`.
+  A parent the importer shares is not an edge: it was initialised before the importer (or is the one
+  initialising it), so a package `__init__` that re-exports its submodules is no circle by itself; it is
+  one when such a submodule imports back a name *from the package* (`from . import name`,
+  `from pdv_ext.a import name`).
 * imports through `importlib.import_module("...")` strings (the package's lazy `__getattr__`, the CLI's
   sub-command table) are not seen: they name no module the source can resolve statically.
 """
@@ -71,10 +75,21 @@ def import_edges(package_dir: Path) -> List[Edge]:
                 if base.split(".")[0] != top:
                     continue
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else deepest(base) for a in node.names]
+            mine = set(parents(importer)) | {importer}
             for target in targets:
                 if target and target != importer:
                     edges.append((importer, target, f"{where}:{node.lineno}"))
+                # the target's parent packages that Python initialises first, unless this module's own
+                for parent in parents(target):
+                    if parent not in mine and parent in mods:
+                        edges.append((importer, parent, f"{where}:{node.lineno}"))
     return edges
+
+
+def parents(module: str) -> List[str]:
+    """`pdv_ext.a.b.c` -> `pdv_ext`, `pdv_ext.a`, `pdv_ext.a.b` (the packages initialised before it)."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
 def import_loops(edges: List[Edge]) -> List[List[str]]:
@@ -165,6 +180,28 @@ def test_finds_loops_through_functions_relative_imports_and_package_names(tmp_pa
     assert "pdv_ext/policy/config.py:2: pdv_ext.policy.config imports pdv_ext.config" in text
 
 
+def test_finds_a_loop_through_a_package_init(tmp_path):
+    """`a.x` imports `b.y`, which runs `b/__init__.py` first, and that `__init__` imports `a.x` back: a circle
+    no statement spells out (`a.x` never names `b`). A package `__init__` importing its own submodules, and
+    those importing each other, is none."""
+    pkg = _package(tmp_path, {
+        "__init__.py": "",
+        "a/__init__.py": "",
+        "a/x.py": "THING = 1\nfrom ..b import y\n",
+        "b/__init__.py": "from ..a.x import THING\n",
+        "b/y.py": "",
+        "c/__init__.py": "from . import z\nfrom .w import W\n",
+        "c/z.py": "from .w import W\nimport pdv_ext.c.w\n",
+        "c/w.py": "W = 1\n",
+    })
+    edges = import_edges(pkg)
+    assert ("pdv_ext.a.x", "pdv_ext.b.y", "pdv_ext/a/x.py:2") in edges
+    assert ("pdv_ext.a.x", "pdv_ext.b", "pdv_ext/a/x.py:2") in edges  # b's __init__ runs first
+    assert not [e for e in edges if e[1] == "pdv_ext.c" or e[1] == "pdv_ext"]  # parents the importer shares
+    assert import_loops(edges) == [["pdv_ext.a.x", "pdv_ext.b"]]
+    assert "pdv_ext/b/__init__.py:1: pdv_ext.b imports pdv_ext.a.x" in describe(import_loops(edges)[0], edges)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Folders (issue #34): no circle between them, and the floors run one way
 # ---------------------------------------------------------------------------------------------------
@@ -191,7 +228,7 @@ def climbs(edges: List[Edge]) -> List[str]:
         if (a in LOWER_FLOORS and b in UPPER_FLOORS) or (a == "emulate" and b in ("bench", "cli")) \
                 or (a == "placement" and b == "policy"):  # policies use the planner, never the other way
             out.append(f"{where}: {a} imports {b}")
-    return sorted(out)
+    return sorted(set(out))  # one statement once (its target and the target's parent packages)
 
 
 def test_folders_have_no_circles_and_no_climbs():

@@ -14,12 +14,13 @@ Decisions are logged in `decisions` (step, shares, predicted step times) for ben
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional
 
 from pydantic import Field
 
 from ...config_base import StrictModel
-from ..base import Action, Policy, SetDataShares, register_policy
+from ..base import Action, Change, Policy, SetDataShares, register_policy
 from ..shares import best_shares, predicted_step
 from ..smoothing import ema, patient
 
@@ -38,10 +39,15 @@ class Rebalance(Policy):
         warmup_steps: int = Field(2, ge=0)
         #: fewest micro-batches a replica keeps (a replica with none would leave its devices idle)
         min_share: int = Field(1, ge=1)
+        #: a replica whose latest time per micro-batch is this factor off its smoothed one has changed speed (a
+        #: slowdown or a recovery): its smoothing restarts at the reading (the EMA filters noise, not events)
+        shift: float = Field(1.5, gt=1.0)
 
     def __init__(self, options: Any = None, **kwargs: Any):
         super().__init__(options, **kwargs)
         self.times: Optional[List[float]] = None  # smoothed seconds per micro-batch, per replica
+        #: smoothed seconds of the step that no split changes (communication, optimizer, the pipeline's waits)
+        self.rest: Optional[float] = None
         self.seen = 0
         self.streak = 0
         self.wanted: Optional[List[int]] = None
@@ -70,13 +76,17 @@ class Rebalance(Policy):
         self.seen += 1
         if self.seen <= self.options.warmup_steps:
             return []
-        self.times = ema(self.times, times, self.options.ema)
+        self.times = self._smooth(times)
         shares = [int(n) for n in metrics["data_shares"]]
         stages = max(metrics.get("stage_of_rank") or [0]) + 1
         best = best_shares(self.times, sum(shares), stages, self.options.min_share)
         now, then = predicted_step(shares, self.times, stages), predicted_step(best, self.times, stages)
-        # what the split cannot change (communication, optimizer, the pipeline's waits) stays in the step
-        rest = max(0.0, float(metrics.get("step_time") or 0.0) - now)
+        # what the split cannot change (communication, optimizer, the pipeline's waits) stays in the step:
+        # smoothed like the times it is set against (one noisy step time must not decide the gain)
+        measured = float(metrics.get("step_time") or 0.0)
+        if measured > 0:
+            self.rest = ema(self.rest, max(0.0, measured - predicted_step(shares, times, stages)), self.options.ema)
+        rest = self.rest or 0.0
         gain = (now - then) / (now + rest) if now > 0 else 0.0
         if best == shares or gain < self.options.threshold:
             self.streak, self.wanted = 0, None
@@ -92,11 +102,29 @@ class Rebalance(Policy):
                                "predicted_after": then + rest, "times": list(self.times)})
         return [SetDataShares(None if len(set(best)) == 1 else tuple(best))]
 
+    def _smooth(self, times: List[float]) -> List[float]:
+        """The EMA of the replicas' times per micro-batch, restarted at the reading for a replica whose reading
+        is `shift` off its smoothed time: a slowdown or a recovery is seen at its full size on its first
+        agreement step, whatever else is in force, instead of over the EMA's several."""
+        if self.times is None or len(self.times) != len(times):
+            return [float(t) for t in times]
+        out = ema(self.times, times, self.options.ema)
+        lim = math.log(self.options.shift)
+        return [float(t) if abs(math.log(t / old)) > lim else o for t, old, o in zip(times, self.times, out)]
+
+    def on_change(self, change: Change) -> None:
+        """New shares, a move, a new batch or a checkpoint's other split: the per-replica times were measured
+        under the old work (a replica's time per micro-batch is not the same under another share or plan), the
+        streak counted gains over the old split. Both restart from the next reading."""
+        if change.moves_work:
+            self.times, self.rest, self.streak, self.wanted = None, None, 0, None
+
     def state_dict(self) -> Dict[str, Any]:
-        return {"times": self.times, "seen": self.seen, "streak": self.streak, "wanted": self.wanted,
-                "decisions": list(self.decisions)}
+        return {"times": self.times, "rest": self.rest, "seen": self.seen, "streak": self.streak,
+                "wanted": self.wanted, "decisions": list(self.decisions)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.rest = state.get("rest")
         self.times, self.seen = state.get("times"), int(state.get("seen", 0))
         self.streak, self.wanted = int(state.get("streak", 0)), state.get("wanted")
         self.decisions = list(state.get("decisions", []))

@@ -53,7 +53,7 @@ from ...placement.cost import evaluate
 from ...placement.profile import Profile
 from ...placement.plan import Layout
 from ...placement.solvers import solve
-from ..base import Action, Policy, Replan, SetDataShares, TrainContext, register_policy
+from ..base import Action, Change, Policy, Replan, SetDataShares, TrainContext, register_policy
 from ..shares import best_shares
 from ..smoothing import ema, patient
 
@@ -395,6 +395,19 @@ class ReplanPolicy(Policy):
         # the new plan was chosen for equal shares (a move to another depth starts from them anyway)
         equal = [SetDataShares(None)] if len(set(metrics["data_shares"])) > 1 and depth == stages else []
         return equal + [Replan(tuple(new.boundaries), tuple(tuple(r) for r in new.rank_mapping), reason=reason)]
+
+    # ---- one adaptive system -----------------------------------------------------------------------
+    def on_change(self, change: Change) -> None:
+        """Any applied move, data-share or batch change (another policy's, this one's, a checkpoint's other
+        plan): the plan in force is the change's, and what was measured under the old work restarts - the
+        per-rank ratios, the step's EMA, the streak and the warm-up. What the devices were measured to be
+        (throughputs, step factors, slow loads) and the calm steps' calibration stay: they describe the
+        devices and the model, not the plan."""
+        if not change.moves_work:
+            return
+        if change.plan is not None:
+            self.plan = change.plan
+        self.ratios, self.step_ema, self.seen, self.streak = None, None, 0, 0
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
