@@ -214,3 +214,150 @@ def replan_by_action(steps: int = 7, at: int = 2, seed: int = 7) -> Dict[str, An
                       "p2p_stage": __import__("deepspeed").runtime.pipe.p2p._grid.get_stage_id()}
         del eng
     return out
+
+
+class Script:
+    """A scripted policy (plugin): `steps` maps a step to the actions decided after it - `{"shares": [...]}` or
+    `{"boundaries": [...], "rank_mapping": [...]}` (a Replan)."""
+
+    def __new__(cls, **options):
+        from pdv_ext.policy.base import Policy, Replan, SetDataShares
+
+        steps = {int(k): v for k, v in options["steps"].items()}
+
+        class _Script(Policy):
+            name = "script"
+
+            def after_step(self, metrics):
+                p = steps.get(int(metrics["step"]))
+                if p is None:
+                    return []
+                if "shares" in p:
+                    return [SetDataShares(p["shares"])]
+                return [Replan(p["boundaries"], p["rank_mapping"], reason="script")]
+
+        return _Script({})
+
+
+class Recorder:
+    """A plugin that decides nothing and records every change the runner announces to it (on every rank)."""
+
+    def __new__(cls, **options):
+        from pdv_ext.policy.base import Policy
+
+        class _Recorder(Policy):
+            name = "recorder"
+
+            def __init__(self, options=None, **kw):
+                super().__init__(options, **kw)
+                self.seen = []
+
+            def on_change(self, change):
+                self.seen.append((change.kind, change.step, change.source, change.shares, change.plan))
+
+        return _Recorder({})
+
+
+PLAN_A = {"boundaries": [0, 4, 8], "rank_mapping": [[0, 1], [2, 3]]}
+PLAN_4 = {"boundaries": [0, 2, 4, 6, 8], "rank_mapping": [[3], [2], [1], [0]]}
+PLAN_B = {"boundaries": [0, 3, 8], "rank_mapping": [[1, 2], [3, 0]]}
+#: the scripted run: shares, a move to pipe 4 (depth 2 -> 4), back to pipe 2 x 2 on another plan (4 -> 2),
+#: shares again, a move at the same width (the shares carried), a checkpoint under it
+SCRIPT = {2: {"shares": [3, 1]}, 3: PLAN_4, 5: PLAN_B, 6: {"shares": [1, 3]}, 7: PLAN_A}
+
+
+def _engine(plan: Dict[str, Any], plugins: List[Dict[str, Any]], grad_acc: int = 2, seed: int = 7,
+            every: int = 1):
+    import pdv_ext
+    from deepspeed.pipe import PipelineModule
+    from pdv_ext.models import mlp_layers, seed_layer
+    from pdv_ext.policy.data import ElasticBatches
+
+    from tests.integration.engine_mode_workers import mode_config
+
+    torch.manual_seed(seed)
+    model = PipelineModule(layers=mlp_layers(8, 16, D_IN, D_OUT), num_stages=len(plan["rank_mapping"]),
+                           loss_fn=torch.nn.CrossEntropyLoss(), seed_layers=True, seed_fn=seed_layer,
+                           base_seed=seed, partition_method="uniform")
+    cfg = mode_config("fp32", 4, grad_acc * 2 // len(plan["rank_mapping"][0]), len(plan["rank_mapping"][0]),
+                      1e-2, "AdamW")
+    cfg["pdv"] = {"placement": {"boundaries": plan["boundaries"], "rank_mapping": plan["rank_mapping"]},
+                  "policy": {"plugins": plugins, "on_error": "raise", "every": every}}
+    eng = pdv_ext.initialize(model=model, config=cfg, model_parameters=[p for p in model.parameters()])[0]
+    return eng, ElasticBatches.for_engine(eng, _dataset(), seed=seed)
+
+
+def _where(eng) -> Dict[str, Any]:
+    from pdv_ext.integrations.deepspeed.topology import engine_mapping
+
+    return {"boundaries": list(eng.module.parts), "rank_mapping": engine_mapping(eng)}
+
+
+def _slow_linear(factor: Dict[str, float], base: float):
+    """Every nn.Linear forward on this rank sleeps `base` x factor["now"] seconds: a device's speed the test
+    sets (the tiny MLP's own compute is noise next to it), through any move (the stages' layers are rebuilt)."""
+    import time
+
+    forward = torch.nn.Linear.forward
+
+    def slow(self, x):
+        time.sleep(base * factor["now"])
+        return forward(self, x)
+
+    torch.nn.Linear.forward = slow
+
+
+def adaptive_system(ckpt_dir: str, cluster: str, profile: str) -> Dict[str, Any]:
+    """The policies as one system on a real engine (pipe 2 x data 2, 4 gloo ranks):
+
+    1. `scripted`: SCRIPT's shares and moves (depth 2 -> 4 -> 2, a move at the same width with shares in
+       force), every change announced to a recording plugin on every rank, a checkpoint after step 8;
+    2. `resumed`: a fresh engine under PLAN_B loads it (a layer-keyed load under another plan, shares kept):
+       the resume is announced as a `checkpoint` change;
+    3. `replan`: the built-in `replan` (moves only), rank 1's device slowed 5x from step 7: it moves the real
+       engine's pipeline, its plan follows on every rank (on ranks other than 0 only through the runner's
+       announcement: the policy decides on rank 0), nothing churns after."""
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    out: Dict[str, Any] = {"rank": rank}
+
+    plugins = [{"name": "tests.integration.shares_workers:Script", "steps": SCRIPT},
+               {"name": "tests.integration.shares_workers:Recorder"}]
+    eng, data = _engine(PLAN_A, plugins)
+    losses, shares = [], []
+    for _ in range(8):
+        losses.append(float(eng.train_batch(data_iter=data)))
+        shares.append(None if eng.data_shares is None else list(eng.data_shares))
+    eng.save_checkpoint(ckpt_dir, tag="s8")
+    runner = eng.pdv_policy.runner
+    out["scripted"] = {"losses": losses, "shares": shares, "seen": runner.policies[1].seen, "where": _where(eng),
+                       "log": [(s, a["action"]) for s, a in runner.action_log], "position": data.position}
+    del eng, data
+
+    eng, data = _engine(PLAN_B, [{"name": "tests.integration.shares_workers:Script", "steps": {}},
+                                 {"name": "tests.integration.shares_workers:Recorder"}])
+    eng.load_checkpoint(ckpt_dir, tag="s8")
+    losses = [float(eng.train_batch(data_iter=data)) for _ in range(2)]
+    out["resumed"] = {"losses": losses, "seen": eng.pdv_policy.runner.policies[1].seen, "where": _where(eng),
+                      "shares": eng.data_shares, "steps": int(eng.global_steps)}
+    del eng, data
+
+    factor = {"now": 1.0}
+    _slow_linear(factor, 0.003)
+    plugins = [{"name": "replan", "cluster": cluster, "profile": profile, "total_steps": 1000,
+                "allow_shares": False}]  # a move, not a split: the pipeline moves under the built-in policy
+    eng, data = _engine(PLAN_A, plugins, grad_acc=4)
+    losses = []
+    for step in range(1, 31):
+        if rank == 1 and step == 7:
+            factor["now"] = 5.0
+        losses.append(float(eng.train_batch(data_iter=data)))
+    runner = eng.pdv_policy.runner
+    (replan,) = runner.policies
+    out["replan"] = {"losses": losses, "log": [(s, a["action"], a["source"]) for s, a in runner.action_log],
+                     "changes": [(c.kind, c.step, c.source) for c in runner.changes], "plan": replan.plan,
+                     "where": _where(eng), "decisions": replan.decisions, "errors": runner.errors}
+    return out

@@ -86,3 +86,56 @@ def test_a_policys_replan_moves_the_running_pipeline():
         assert [(s, a["action"]) for s, a in moved["log"]] == [(2, "Replan"), (4, "Replan")]
         assert moved["losses"][:2] == still["losses"][:2]
         assert moved["losses"] == pytest.approx(still["losses"], rel=1e-5)
+
+
+def _cluster_and_profile(tmp_path):
+    """4 equal devices; 8 layers of one nn.Linear each, whose forward the worker makes sleep 3 ms."""
+    import yaml
+
+    from pdv_ext.placement.profile import LayerProfile, Profile
+
+    Profile([LayerProfile(f"l{i}", 0.003, 1e3, 256.0) for i in range(8)]).save(str(tmp_path / "p.json"))
+    cl = {"devices": [{"name": f"d{i}", "host": "a", "throughput": 1.0} for i in range(4)],
+          "links": {"intra_host": {"bandwidth": "10 Gbit/s", "latency": "50us"}}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cl))
+    return str(tmp_path / "c.yaml"), str(tmp_path / "p.json")
+
+
+@pytest.mark.timeout(300)
+def test_policies_as_one_system_on_a_real_engine(tmp_path):
+    """Shares + moves (depth 2 -> 4 -> 2, then a move at the same width with shares in force), every change
+    announced identically on every rank with what is in force; a layer-keyed checkpoint loaded under another
+    plan with the shares kept, announced as a `checkpoint` change; the built-in `replan` on a real engine with
+    a slowed rank: it moves the pipeline once the slowdown is seen, its plan follows on every rank, no churn."""
+    from tests.integration.shares_workers import PLAN_4, PLAN_A, PLAN_B
+
+    cluster, profile = _cluster_and_profile(tmp_path)
+    res = run_ranks("tests.integration.shares_workers:adaptive_system", 4,
+                    dict(ckpt_dir=str(tmp_path / "ck"), cluster=cluster, profile=profile), timeout=280)
+    # 1. scripted shares and moves: the same announcements on every rank, each with what was in force after it
+    scripted = [r["scripted"] for r in res]
+    assert all(s["seen"] == scripted[0]["seen"] for s in scripted)
+    by = "tests.integration.shares_workers:Script"
+    assert scripted[0]["seen"] == [("shares", 2, by, (3, 1), PLAN_A), ("replan", 3, by, None, PLAN_4),
+                                   ("replan", 5, by, None, PLAN_B), ("shares", 6, by, (1, 3), PLAN_B),
+                                   ("replan", 7, by, (1, 3), PLAN_A)]
+    for s in scripted:
+        assert s["shares"] == [None, [3, 1], None, None, None, [1, 3], [1, 3], [1, 3]]  # in force after each step
+        assert s["where"] == PLAN_A and all(x == x for x in s["losses"])  # noqa: PLR0124 (no NaN)
+        assert s["log"] == [(2, "SetDataShares"), (3, "Replan"), (5, "Replan"), (6, "SetDataShares"), (7, "Replan")]
+    # 2. the checkpoint under PLAN_A with shares [1, 3], loaded under PLAN_B: shares kept, the resume announced
+    for r in res:
+        resumed = r["resumed"]
+        assert resumed["where"] == PLAN_B and resumed["shares"] == [1, 3] and resumed["steps"] == 10
+        assert resumed["seen"] == [("checkpoint", 8, "", (1, 3), PLAN_B)]
+    # 3. the built-in replan on a real engine: nothing while calm, then it acts on the slowdown, once or twice
+    runs = [r["replan"] for r in res]
+    assert all(r["errors"] == [] and r["changes"] == runs[0]["changes"] for r in runs)
+    changes = runs[0]["changes"]
+    assert changes and changes[0][0] == "replan", changes
+    assert all(source == "replan" and 7 < step <= 12 for _, step, source in changes), changes
+    assert len(changes) <= 2  # no churn: at most a correction after the first move, then nothing
+    assert runs[0]["where"] != PLAN_A and all(r["where"] == runs[0]["where"] for r in runs)
+    # its plan is the one in force on every rank (ranks other than 0 learn it only from the announcement)
+    assert all(r["plan"] == r["where"] for r in runs)
+    assert [d["kind"] for d in runs[0]["decisions"]][0] == "replan"

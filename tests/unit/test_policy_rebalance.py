@@ -72,3 +72,6 @@ def test_state_round_trip():
     again = build_policy({"name": "rebalance"})
     again.load_state_dict(pol.state_dict())
     assert again.times == pol.times and again.decisions == pol.decisions
+    assert pol.times and pol.rest is not None and pol.decisions
+    for name in set(vars(pol)) - {"options", "plugin_name"}:  # every field, the smoothed step's rest included
+        assert getattr(again, name) == getattr(pol, name), name

@@ -357,3 +357,43 @@ def test_a_light_load_on_a_slow_device_is_not_taken_for_a_further_slowdown(tmp_p
         assert later == [] and pol.throughputs[1] == modelled
     else:
         assert pol.throughputs[1] < 0.5 * modelled
+
+
+#: what a replan policy holds that is not its decision state: its options, the start-up placement, cluster and
+#: profile (from the config, loaded again on resume) and the described cluster's step per depth (a cache of them)
+NOT_STATE = {"options", "plugin_name", "placement", "cluster", "profile", "described"}
+
+
+def test_the_whole_state_round_trips(tmp_path):
+    """Every field of the policy's decision state goes through state_dict/load_state_dict (calm_ratios,
+    throughputs, step_ema, ratios, step_factor, slow_load, ...: compared field by field, so a field added
+    without its checkpoint entry fails here), and the resumed policy then decides as the original does."""
+    r, pol = calm_pipe4_with_step_times(tmp_path)
+    r.speed[1], r.step_speed = 0.5, [1.0, 0.5, 1.0, 1.0]
+    acts = []
+    while not acts and r.step < 60:
+        acts = run(pol, r, 1)
+    r.step_speed = [1.0, 0.2, 1.0, 1.0]
+    names = ("calm_ratios", "throughputs", "step_ema", "ratios", "step_factor", "slow_load", "plan", "seen",
+             "decisions")
+    while not all(getattr(pol, name) for name in names) and r.step < 150:
+        run(pol, r, 1)  # until every field is set (two moves made, the step EMA and ratios running again)
+    for name in names:
+        assert getattr(pol, name), name  # set, so that the comparison means something
+    real = pol.streak
+    pol.streak = real or 1  # mid-way through `patience` (a state it passes through), for the comparison
+    fields = set(vars(pol)) - NOT_STATE
+    state = pol.state_dict()
+    again = build_policy({"name": "replan", "total_steps": 500})
+    again.load_state_dict(state)
+    assert set(vars(again)) - NOT_STATE == fields
+    for name in sorted(fields):  # before on_train_begin: what the checkpoint alone restores
+        assert getattr(again, name) == getattr(pol, name), name
+    again.on_train_begin(r.ctx())
+    pol.streak = again.streak = real
+    for _ in range(40):  # the same metrics: the same decisions, the same state
+        m = r.metrics()
+        a, b = pol.after_step(dict(m)), again.after_step(dict(m))
+        assert a == b
+        r.apply(a)
+    assert again.state_dict() == pol.state_dict()

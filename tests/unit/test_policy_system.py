@@ -209,14 +209,20 @@ def pipe4(tmp_path, **kw):
 
 
 def test_replan_acts_on_a_second_slowdown_while_the_first_is_in_force(tmp_path):
-    """pipe4: d3 slowed, replan moves; then d1 slowed as well: the second move comes within `patience` (3) + 1
-    agreement steps of it, as the first did."""
+    """pipe4: d3 slowed, replan moves; then d1 slowed as well: the second move comes within 4 agreement steps of
+    it, as the first did, and is planned for both slow devices: the restart after the first move (announced
+    to replan like any change) drops what was measured under the old plan, not what the devices were
+    measured to be (their throughputs, the loads they were slow under)."""
     sim = pipe4(tmp_path, rest=0.01)
     runner = runner_for(sim, [{"name": "replan", "total_steps": 500}])
+    (replan,) = runner.policies
     events = {11: [(3, 0.3)], 41: [(1, 0.3)]}
     acts = drive(runner, sim, 70, events)
     assert [type(a) for _, a in acts] == [Replan, Replan]
     assert all(d is not None and d <= FAST for d in delays(acts, events)), (delays(acts, events), acts)
+    assert replan.throughputs[1] == pytest.approx(0.3, rel=0.1) and replan.throughputs[3] == pytest.approx(0.3, rel=0.1)
+    assert set(replan.slow_load) == {1, 3} and replan.plan == sim.plan
+    assert drive(runner, sim, 30) == []
 
 
 # ---- item 6: rebalance and replan together ----------------------------------------------------------------
