@@ -10,6 +10,11 @@ row (the split of the last of them is taken), so noise does not churn them; when
 shares go back. The global batch, and so the gradient, stay the same (the aggregator weighs the replicas
 by their samples): only the wall time changes.
 
+A reading `shift` off a replica's smoothed time restarts its smoothing (an event, not noise: a second
+slowdown or a recovery while a split is in force moves the best split by a micro-batch or two, whose gain the
+EMA's lag would hide for several agreement steps); every change of shares, plan or batch announced by the
+runner (`on_change`: its own or another policy's) restarts the times and the streak.
+
 Decisions are logged in `decisions` (step, shares, predicted step times) for benchmarks and plots.
 """
 from __future__ import annotations

@@ -35,6 +35,8 @@ slow under (a throttled device given little work can run at full speed - a CPU q
 the light load never reaches - and taking that for a recovery moves the work back where it is slow again;
 or a millisecond of work waits for the next quota period, and taking that for a further slowdown moves
 what little it has for nothing).
+The plan in force follows every applied move or shares change, whoever decided it (`on_change`), and the
+measurements taken under the old work restart.
 `decisions` records every choice with its predicted step times (calibrated seconds).
 Needs `pdv.placement` with a cluster and a profile (the start-up planning's), or the `cluster` and `profile`
 options.
