@@ -5,7 +5,12 @@ PY := $(VENV)/bin/python
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/build/torch_extensions
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: setup demo test test-unit test-integration test-wheel test-gpu wheel docs clean
+.PHONY: setup demo test test-unit test-integration test-wheel test-compat test-gpu wheel docs clean
+
+# The oldest DeepSpeed release of the supported range (pyproject.toml): `make test` runs the DeepSpeed-facing
+# tests against it after the main suite (the newest, in .venv, is what the main suite runs with)
+DEEPSPEED_OLDEST := 0.16.9
+DEEPSPEED ?= $(DEEPSPEED_OLDEST)
 
 setup:
 	@bash scripts/setup.sh
@@ -16,6 +21,7 @@ demo: setup
 test: setup
 	$(PY) -m pytest tests
 	$(PY) -m tests.wheel.check_wheel
+	VENV=$(VENV) bash scripts/test_compat.sh $(DEEPSPEED_OLDEST)
 
 test-unit: setup
 	$(PY) -m pytest tests/unit
@@ -26,6 +32,11 @@ test-integration: setup
 # the sdist and the wheel built, checked and installed into a fresh venv that runs a smoke test (part of `make test`)
 test-wheel: setup
 	$(PY) -m tests.wheel.check_wheel
+
+# the DeepSpeed-facing tests (tests/deepspeed_facing.txt) against DeepSpeed $(DEEPSPEED), in a second venv
+# build/compat-$(DEEPSPEED)/ built once (its DeepSpeed, the rest from .venv); `make test` runs it for the oldest
+test-compat: setup
+	VENV=$(VENV) bash scripts/test_compat.sh $(DEEPSPEED)
 
 # the GPU tier (one CUDA GPU; the multigpu tests need two): kernels, aggregators, engine and profile on CUDA,
 # in parallel with pytest-xdist where it is installed (one GPU, many workers; tests sharing a module fixture

@@ -83,6 +83,8 @@ while read -r entry; do
     log "$LIST names $entry, which does not exist"; exit 1
   fi
 done < "$LIST"
+# an empty list would let pytest run the whole suite (testpaths)
+[ ${#tests[@]} -gt 0 ] || { log "$LIST lists no test file"; exit 1; }
 t1=$SECONDS
 rc=0
 "$PY" -m pytest "${tests[@]}" "$@" || rc=$?
