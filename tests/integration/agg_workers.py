@@ -87,7 +87,7 @@ def pipeline_zeno(steps: int = 4, refresh_every: int = 2) -> Dict[str, Any]:
         losses.append(float(eng.train_batch(data_iter=data)))
         dropped.append(list(eng.aggregator.report["dropped"]))
     weights = torch.cat([p.detach().reshape(-1).clone() for p in eng.module.parameters()])
-    calls = eng._pdv_validation.calls
+    calls = eng.pdv_runtime.validation.calls
     eng.set_aggregator("mean")
     eng.pdv_faults.attack = BUILTIN["nan"]
     error = None

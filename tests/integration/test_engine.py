@@ -32,9 +32,10 @@ def test_configured_aggregator_does_the_reduction():
         assert r["missing_internals"] == [] and m["missing_internals"] == []  # what internals.py uses is there
         assert r["aggregator"] == "counting_sum"
         assert r["aggregate_calls"] == steps  # one ReduceGrads per train_batch
-        # a sum is twice the mean with 2 replicas: same first loss, different trajectory
+        # a sum is twice the mean with 2 replicas: same first loss, different weights after (AdamW barely
+        # changes for a scaled gradient: the losses may agree to the last bit on some DeepSpeed releases)
         assert r["losses"][0] == m["losses"][0]
-        assert r["losses"][1:] != m["losses"][1:]
+        assert any(not torch.equal(w, m["weights"][n]) for n, w in r["weights"].items())
 
 
 @pytest.mark.timeout(240)

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from pdv_ext.spawn import run_ranks
 
@@ -100,4 +101,5 @@ def test_non_mean_aggregators_train_under_bf16_and_zero1():
         # mean + a hook under ZeRO-1 with compact partition buffers: refused at start-up, naming both keys
         err = r["hooked_mean_error"]
         assert err is not None and "zero_optimization.offload_optimizer" in err and "FaultInjector" in err, err
-        assert "data_types.grad_accum_dtype" in err, err
+        if hasattr(DeepSpeedZeroOptimizer, "_use_compact_grad_partition_buffer"):  # DeepSpeed >= 0.19.8 has them
+            assert "data_types.grad_accum_dtype" in err, err

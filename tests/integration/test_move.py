@@ -13,7 +13,11 @@ import math
 import pytest
 import torch
 
+from pdv_ext.integrations.deepspeed.internals import gradients_are_micro_batch_means
 from pdv_ext.spawn import run_ranks
+
+#: DeepSpeed < 0.19.3 sums micro-batch gradients: a move that changes the width is refused there (tested below)
+WIDTH_CHANGES = gradients_are_micro_batch_means()
 
 pytestmark = pytest.mark.integration
 
@@ -68,13 +72,22 @@ def _check(res, plan_b, loss_rtol, weight_atol, replicas_differ=False, plan_a=PI
         assert parts == plan_b["boundaries"] and plan_b["rank_mapping"][stage][dp_id] == r["rank"]
         dp = len(plan_b["rank_mapping"][0])
         assert (it_dp, it_size) == (dp_id, dp) and gas == 4 // dp  # the global batch kept, the data re-pointed
-        assert r["moved"] == r["resumed"], (r["moved"], r["resumed"])  # bit for bit
+        if WIDTH_CHANGES:
+            assert r["moved"] == r["resumed"], (r["moved"], r["resumed"])  # bit for bit
+        else:  # DeepSpeed 0.16.9: within rounding (its ZeRO-1 reduction order varies between engines: 1e-7)
+            assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(r["moved"], r["resumed"])), r["moved"]
         assert r["static"][:1] == r["after_failures"]  # after failed moves: as if none was tried
         for a, b in zip(r["moved"], r["static"][1:]):
             assert math.isclose(a, b, rel_tol=loss_rtol), (r["moved"], r["static"])
     fin_m, fin_r = _merged(res, "moved_final", plan_b_keyed), _merged(res, "resumed_final", plan_b_keyed)
     fin_s = _merged(res, "static_final", plan_a_keyed)
-    assert fin_m.keys() == fin_r.keys() and all(torch.equal(fin_m[k], fin_r[k]) for k in fin_m)
+    assert fin_m.keys() == fin_r.keys()
+    if WIDTH_CHANGES:  # moved and resumed: bit for bit
+        assert all(torch.equal(fin_m[k], fin_r[k]) for k in fin_m)
+    else:  # DeepSpeed 0.16.9 under ZeRO-1: the final state within rounding (1e-7 on the weights; Adam's moments
+        # relative to their size)
+        assert all(torch.allclose(fin_m[k], fin_r[k], rtol=1e-3, atol=1e-6 if k[1] in ("weight", "master") else 1e-9)
+                   for k in fin_m), [k for k in fin_m if not torch.equal(fin_m[k], fin_r[k])][:4]
     # fp32 values: the master copies where there are (bf16 weights round them to 8 bits)
     field = "master" if any(k[1] == "master" for k in fin_m) else "weight"
     moved_far = max(float((fin_m[k] - saved[k]).abs().max()) for k in fin_m if k[1] == field)
@@ -105,30 +118,41 @@ def test_move_and_resume_under_another_plan(tmp_path):
         dict(label="grow", mode="fp32", plan_a=PIPE4, plan_b=PIPE2x2,
              pdv={"aggregation": {"type": "gossip", "peers": 1, "ratio": 1.0}}),
     ]
+    if not WIDTH_CHANGES:  # DeepSpeed 0.16: ZeRO-1 at the same width; a width change refused, naming the release
+        runs = [dict(r, bad_plans=BAD_PLANS + [PIPE4]) for r in runs if r["label"] == "zero1"]
     out = run_ranks("tests.integration.move_workers:scenarios", 4, dict(runs=runs, ckpt_root=str(tmp_path)),
                     timeout=400)
     by = {label: [r[label] for r in out] for label in out[0]}
-    _check(by["fp32"], PIPE4, loss_rtol=1e-5, weight_atol=1e-5)
-    _check(by["bf16"], PIPE4, loss_rtol=2e-2, weight_atol=1e-4)
+    if WIDTH_CHANGES:
+        _check(by["fp32"], PIPE4, loss_rtol=1e-5, weight_atol=1e-5)
+        _check(by["bf16"], PIPE4, loss_rtol=2e-2, weight_atol=1e-4)
     _check(by["zero1"], PIPE2x2_OTHER, loss_rtol=1e-5, weight_atol=1e-5)
+    if not WIDTH_CHANGES:
+        for r in by["zero1"]:
+            e1, e2, e3, e4 = r["bad_plans"]
+            assert "boundaries: must rise strictly from 0 to the layer count 8" in e1
+            assert "rank_mapping: 2 -> 1 replicas per stage needs DeepSpeed >= 0.19.3" in e4, e4
+        return
     # gossip's top-k picks entries by magnitude: a rounding-level change of the gradient (the stages' norms summed
     # in another order for clipping) changes a pick, which Adam turns into an lr-sized step of that entry, so
     # against the run that never moved only the losses are compared (moved and resumed still agree bit for bit)
     saved, moved = _check(by["gossip"], PIPE2x2_OTHER, loss_rtol=1e-5, weight_atol=None, replicas_differ=True)
-    # bf16: the fp32 master copies were gathered from both replicas' partitions and moved
-    assert any(f == "master" for _, f in _merged(by["bf16"], "saved"))
-    assert by["bf16"][0]["report"]["bytes_gathered"] > 0
-    # tied: one tensor under one name on both stages that hold it, before and after the move
-    assert any(n.startswith("tied_modules.block.") for n, _ in _merged(by["fp32"], "moved_state"))
     # gossip: each replica's residuals (its own not-yet-shared update) went to the rank that now runs that replica
     assert {k for k in moved if k[1].startswith("agg/")} == {k for k in saved if k[1].startswith("agg/")} != set()
     assert all(torch.equal(moved[k], saved[k]) for k in moved)
     assert any(not torch.equal(saved[(n, f, 0)], saved[(n, f, 1)]) for n, f, d in saved if f == "agg/residual")
     for r in by["gossip"]:
-        e1, e2, e3 = r["bad_plans"]
+        e1, e2, e3 = r["bad_plans"][:3]
         assert "boundaries: must rise strictly from 0 to the layer count 8" in e1
         assert "rank_mapping: rank_mapping must use each rank 0..3 exactly once" in e2
         assert "boundaries: describe 3 stages but rank_mapping 2" in e3
+    if not WIDTH_CHANGES:
+        return
+    # bf16: the fp32 master copies were gathered from both replicas' partitions and moved
+    assert any(f == "master" for _, f in _merged(by["bf16"], "saved"))
+    assert by["bf16"][0]["report"]["bytes_gathered"] > 0
+    # tied: one tensor under one name on both stages that hold it, before and after the move
+    assert any(n.startswith("tied_modules.block.") for n, _ in _merged(by["fp32"], "moved_state"))
     # growing the width: replica 0's residual follows it, the new replica 1 starts without one; moved and
     # resumed agree bit for bit (the same rule for both)
     _check(by["grow"], PIPE2x2, loss_rtol=1e-5, weight_atol=1e-5, plan_a=PIPE4)

@@ -115,16 +115,25 @@ def test_partitions_are_gathered_bit_for_bit_and_recut_for_another_width():
     assert all(float(t.base.state[t.flats[0]]["step"]) == 7.0 for t in targets)
 
 
+#: what FP16_Optimizer reads of its engine (DeepSpeed <= 0.17.0 reads `pipeline_parallelism` from it)
+_NO_ENGINE = SimpleNamespace(pipeline_parallelism=False)
+
+
+def _scaler_of(opt):
+    """FP16_Optimizer's scale state: `loss_scale_config` (DeepSpeed >= 0.19), on the optimizer itself before."""
+    return getattr(opt, "loss_scale_config", None) or getattr(opt, "loss_scaler", None) or opt
+
+
 def test_fp16_optimizer_flat_copies_and_loss_scaler_travel():
     torch.manual_seed(1)
     old = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).half()
-    opt = FP16_Optimizer(torch.optim.AdamW(old.parameters(), lr=1e-3), deepspeed=None, dynamic_loss_scale=True,
+    opt = FP16_Optimizer(torch.optim.AdamW(old.parameters(), lr=1e-3), deepspeed=_NO_ENGINE, dynamic_loss_scale=True,
                          verbose=False)
     flat = opt.fp32_groups_flat[0]
     flat.data.copy_(torch.randn(flat.numel()))  # masters that are not the fp16 weights
     opt.optimizer.state[flat] = {"step": torch.tensor(3.0), "exp_avg": torch.randn(flat.numel()),
                                  "exp_avg_sq": torch.rand(flat.numel())}
-    cfg = opt.loss_scale_config
+    cfg = _scaler_of(opt)
     cfg.cur_scale, cfg.cur_iter, cfg.last_overflow_iter = 1024.0, 57, 41
     engine = SimpleNamespace(optimizer=opt, module=old)
     names = {id(p): n for n, p in old.named_parameters()}
@@ -139,8 +148,8 @@ def test_fp16_optimizer_flat_copies_and_loss_scaler_travel():
     assert scaler["values"]["cur_scale"] == 1024.0 and scaler["values"]["cur_iter"] == 57
     # a new stage holding only the second layer, named as in the pipeline (layer 1)
     new = nn.Sequential(nn.Identity(), nn.Linear(4, 2)).half()
-    new_opt = FP16_Optimizer(torch.optim.AdamW(new.parameters(), lr=1e-3), deepspeed=None, dynamic_loss_scale=True,
-                             verbose=False)
+    new_opt = FP16_Optimizer(torch.optim.AdamW(new.parameters(), lr=1e-3), deepspeed=_NO_ENGINE,
+                             dynamic_loss_scale=True, verbose=False)
     layout_of(SimpleNamespace(optimizer=new_opt, module=new)).apply(whole, {id(p): n for n, p in new.named_parameters()})
     apply_scaler_state(new_opt, scaler)
     nflat = new_opt.fp32_groups_flat[0]
@@ -149,7 +158,7 @@ def test_fp16_optimizer_flat_copies_and_loss_scaler_travel():
                        torch.cat([whole["1.weight"].optim["exp_avg_sq"].reshape(-1),
                                   whole["1.bias"].optim["exp_avg_sq"].reshape(-1)]))
     assert float(new_opt.optimizer.state[nflat]["step"]) == 3.0
-    c = new_opt.loss_scale_config
+    c = _scaler_of(new_opt)
     assert (c.cur_scale, c.cur_iter, c.last_overflow_iter) == (1024.0, 57, 41)
 
 

@@ -229,8 +229,21 @@ class PDVPipelineEngine(internals.EngineSeam):
         from ...aggregation.faults import install_fault_hooks  # pdv.faults + the NaN/Inf guard
 
         install_fault_hooks(self)
+        self._check_release()
         self.pdv_policy = build_glue(self, carried=pdv_glue)  # pdv.policy (a move carries its glue over)
         self._check_takeover_once()  # the hooks now exist: can `mean` under ZeRO-1 hand them the gradients?
+
+    def _check_release(self) -> None:
+        """What this DeepSpeed release cannot carry, refused at start-up (docs/deepspeed.md, supported versions):
+        before 0.19.3 the pipeline engine sums micro-batch gradients, so `rebalance` (unequal shares) would
+        weigh replicas wrongly (static unequal shares are refused by set_data_shares)."""
+        if internals.gradients_are_micro_batch_means():
+            return
+        names = [str(p.get("name", "")) for p in self.pdv_config.policy.plugins]
+        if "rebalance" in names:
+            raise ConfigError([f"pdv.policy.plugins: 'rebalance' needs DeepSpeed >= 0.19.3 (it gives replicas unequal "
+                               f"data shares, which the pipeline engine of DeepSpeed {internals.deepspeed_version()} "
+                               "cannot weigh: it sums micro-batch gradients instead of averaging them)"])
 
     def _check_takeover_once(self) -> None:
         """`mean` under ZeRO-1 becomes pdv's reduction when a grad hook watches the gradients: check the ZeRO
@@ -384,6 +397,11 @@ class PDVPipelineEngine(internals.EngineSeam):
             shares = check_shares(shares, dp, total, what="data shares")
             if len(set(shares)) == 1:
                 shares = None
+        if shares is not None and not internals.gradients_are_micro_batch_means():
+            raise ConfigError([f"pdv.data_shares: unequal shares {list(shares)} need DeepSpeed >= 0.19.3: the "
+                               f"pipeline engine of DeepSpeed {internals.deepspeed_version()} sums each replica's "
+                               "micro-batch gradients instead of averaging them, so replicas of different shares "
+                               "cannot be weighed by their samples"])
         mine = total // dp if shares is None else shares[self.grid.get_data_parallel_id()]
         self.data_shares = shares
         self.micro_batches = mine
@@ -626,7 +644,7 @@ def initialize(args: Any = None,
         model._pdv_init_search = search_pipeline_init(model, init_search_iter, pdv_cfg.init_search,
                                                       layers=internals.layer_specs(model))
     config_class = DeepSpeedConfig(ds_config, model.mpu())
-    deepspeed.set_optimizer_flags(config_class, model)
+    internals.set_optimizer_flags(config_class, model)
     engine = PDVPipelineEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                training_data=training_data, lr_scheduler=lr_scheduler, mpu=model.mpu(),
                                dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,

@@ -14,7 +14,6 @@ module object and must drop the old engine's hooks from the copy.
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -37,7 +36,6 @@ REQUIRED_NAMES: List[Tuple[str, str]] = [
     ("deepspeed.runtime.pipe.engine", "PipelineEngine.set_train_batch_size"),
     ("deepspeed.runtime.pipe.engine", "MEMORY_OPT_ALLREDUCE_SIZE"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine._get_gradients_for_reduction"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine._configure_python_gc"),
     ("deepspeed.runtime.pipe.module", "PipelineModule._set_bounds"),
     ("deepspeed.runtime.pipe.module", "PipelineModule._build"),
     ("deepspeed.runtime.pipe.module", "PipelineModule._index_tied_modules"),
@@ -53,6 +51,13 @@ REQUIRED_NAMES: List[Tuple[str, str]] = [
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.get_gradient_for_reduction"),
 ]
 
+#: names some releases of the supported range lack; each use falls back (or refuses a feature) where missing
+OPTIONAL_NAMES: List[Tuple[str, str]] = [
+    ("deepspeed.runtime.engine", "DeepSpeedEngine._configure_python_gc"),  # 0.19.8
+    ("deepspeed.runtime.engine", "DeepSpeedEngine._backward_prologue_per_tensor"),  # 0.19.3
+    ("deepspeed", "set_optimizer_flags"),  # 0.17.6
+]
+
 #: instance attributes DeepSpeed sets in its constructors (what they are on; checked by the engine tests)
 INSTANCE_NAMES: Dict[str, Tuple[str, ...]] = {
     "PipelineModule": ("_topo", "_grid", "_num_layers", "_layer_specs"),
@@ -60,7 +65,7 @@ INSTANCE_NAMES: Dict[str, Tuple[str, ...]] = {
     "PipelineParallelGrid": ("_topo",),
     "parameter (ZeRO-1 / BF16_Optimizer)": ("_hp_mapping",),
     "BF16_Optimizer / DeepSpeedZeroOptimizer": ("_hp_optimizer_states_linked",),
-    "DeepSpeedZeroOptimizer": ("_use_compact_grad_partition_buffer",),
+    "DeepSpeedZeroOptimizer (>= 0.19.8; read with getattr)": ("_use_compact_grad_partition_buffer",),
 }
 
 
@@ -82,9 +87,7 @@ def missing_instance_names(engine: Any) -> List[str]:
         params = [p for g in groups for p in g if p.numel() > 0]
         if params and not any(hasattr(p, "_hp_mapping") for p in params):
             out.append("parameter._hp_mapping")
-    if hasattr(opt, "single_partition_of_fp32_groups"):
-        need(opt, type(opt).__name__, INSTANCE_NAMES["DeepSpeedZeroOptimizer"])
-    return out
+    return out  # `_use_compact_grad_partition_buffer` is optional: releases before 0.19.8 have no compact buffers
 
 
 def _resolve(module: str, path: str) -> Any:
@@ -163,13 +166,39 @@ class EngineSeam(PipelineEngine):
     _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, schedule.ReduceGrads: _exec_pdv_reduce_grads}
 
 
+def deepspeed_version() -> str:
+    import deepspeed
+
+    return str(getattr(deepspeed, "__version__", "?"))
+
+
+def gradients_are_micro_batch_means() -> bool:
+    """Whether the pipeline engine divides each micro-batch's loss by the accumulation steps, so that a
+    replica's gradient is the mean over its micro-batches (DeepSpeed >= 0.19.3). DeepSpeed 0.16's pipeline
+    engine skips that scaling (it turns `enable_backward_allreduce` off, which also turns the scaling off):
+    its gradient is `gas` times the mean, in vanilla DeepSpeed too. pdv's `mean` follows DeepSpeed either way;
+    what weighs replicas by their micro-batches (unequal data shares, a move that changes the width) is
+    refused there."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    return hasattr(DeepSpeedEngine, "_backward_prologue_per_tensor")
+
+
+def set_optimizer_flags(config_class: Any, model: Any) -> None:
+    """What deepspeed.initialize does before building an engine (Muon's parameter flags, DeepSpeed >= 0.17.6;
+    older releases have neither)."""
+    import deepspeed
+
+    fn = getattr(deepspeed, "set_optimizer_flags", None)
+    if fn is not None:
+        fn(config_class, model)
+
+
 def configure_python_gc(engine: Any) -> None:
     """What deepspeed.initialize does after building an engine (its garbage-collection settings)."""
     fn = getattr(engine, "_configure_python_gc", None)
     if fn is not None:
-        fn()
-    else:  # older releases have no such step
-        gc.collect()
+        fn()  # DeepSpeed >= 0.19.8; older releases have no such step
 
 
 def wrap_instructions(engine: Any, wrap: Callable[[type, Callable], Callable],

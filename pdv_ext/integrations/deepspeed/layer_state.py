@@ -280,6 +280,9 @@ def apply_params(engine: Any, states: Dict[str, ParamState], layout: Optional[_L
 # What no plan changes
 # ---------------------------------------------------------------------------------------------------
 _SCALERS = ("loss_scaler", "loss_scale_config")  # ZeRO / FP16_Optimizer (0.19: LossScaleConfig)
+#: FP16_Optimizer before DeepSpeed 0.19 keeps its dynamic scale on itself
+_OWN_SCALE = ("cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window", "min_loss_scale",
+              "dynamic_loss_scale", "cur_hysteresis")
 
 
 def scaler_state(optimizer: Any) -> Optional[Dict[str, Any]]:
@@ -290,6 +293,9 @@ def scaler_state(optimizer: Any) -> Optional[Dict[str, Any]]:
             values = {k: _copy(v) for k, v in vars(obj).items()
                       if torch.is_tensor(v) or isinstance(v, (bool, int, float, str, type(None)))}
             return {"attr": attr, "type": type(obj).__name__, "values": values}
+    if hasattr(optimizer, "cur_scale"):  # the scale on the optimizer itself (FP16_Optimizer, DeepSpeed < 0.19)
+        values = {k: _copy(getattr(optimizer, k)) for k in _OWN_SCALE if hasattr(optimizer, k)}
+        return {"attr": None, "type": type(optimizer).__name__, "values": values}
     return None
 
 
@@ -297,7 +303,7 @@ def apply_scaler_state(optimizer: Any, state: Optional[Dict[str, Any]]) -> None:
     """Restore `scaler_state` into `optimizer`'s scaler (same kind: fp16 dynamic loss scaling)."""
     if not state:
         return
-    obj = getattr(optimizer, state["attr"], None)
+    obj = optimizer if state["attr"] is None else getattr(optimizer, state["attr"], None)
     if obj is None:
         return  # the new run has no loss scaler (bf16 or fp32): nothing to restore
     for k, v in state["values"].items():

@@ -42,7 +42,7 @@ from ...config_base import ConfigError
 from ...placement.layer_state import ParamState, is_aggregator_key, stages_owning
 from ...placement.plan import Layout
 from . import internals
-from .checkpoint import local_entries, plan_of, rebased_pdv_state
+from .checkpoint import local_entries, plan_of, rebased_pdv_state, replicas_differ
 from .layer_state import apply_global_state, apply_params, global_state, layers_of
 from .pdv_state import apply_state
 from .runtime import runtime_of
@@ -138,6 +138,17 @@ def _checked_plan(engine: Any, boundaries: Sequence[int], rank_mapping: Sequence
         if len(parts) - 1 != len(rows):
             errors.append(f"boundaries: describe {len(parts) - 1} stages but rank_mapping {len(rows)}")
         tbs, mbs = int(engine.train_batch_size()), int(engine.train_micro_batch_size_per_gpu())
+        width = int(engine.grid.get_data_parallel_world_size())
+        if not internals.gradients_are_micro_batch_means():
+            release = f"DeepSpeed {internals.deepspeed_version()}"
+            if rows and len(rows[0]) != width:
+                errors.append(f"rank_mapping: {width} -> {len(rows[0])} replicas per stage needs DeepSpeed >= 0.19.3: "
+                              f"the pipeline engine of {release} sums the micro-batch gradients, so a new width would "
+                              "change the gradient's scale")
+            if replicas_differ(engine):
+                errors.append(f"pdv.aggregation.type: moving replicas that hold different weights "
+                              f"('{engine.aggregator.name}') needs DeepSpeed >= 0.19.3 (on {release} the moved "
+                              "replicas' Adam step counts did not follow: resume from a checkpoint instead)")
         if rows and tbs % (mbs * len(rows[0])):
             errors.append(f"rank_mapping: {len(rows[0])} replicas per stage cannot keep the global batch {tbs} at "
                           f"micro-batch size {mbs}")

@@ -12,7 +12,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
-from ...placement.plan import Layout, row_major_mapping  # noqa: F401  (row_major_mapping importable here too)
+from ...placement.plan import Layout, row_major_mapping  # noqa: F401  (importable from here too)
 from . import internals
 
 
