@@ -12,8 +12,9 @@ on the first failure:
    bit-identical) and `gossip` (top-k: each step moves at most the two ranks' k entries, the exact sync of
    the last step applies what error feedback held back), losses finite;
 5. the docs' commands from the installed package (README.md and docs/getting-started.md, copied next to
-   this file): `pdv example` copies the shipped examples, `pdv check-config` accepts their configs, and the
-   getting-started page's minimal program runs as the page says on 2 ranks through the deepspeed launcher.
+   this file): `pdv example` copies the shipped examples, `pdv check-config` accepts their configs, the example
+   training runs (4 ranks, 20 steps: the demo and the planned placement) and the plugin templates' run (4 ranks, 5 steps) train as the pages say,
+   and the getting-started page's minimal program runs on 2 ranks through the deepspeed launcher.
    Each command run is first found verbatim in one of the pages.
 """
 from __future__ import annotations
@@ -218,6 +219,13 @@ DOC_COMMANDS = [
     "cd my_job",
     "pdv check-config configs/demo.json --world-size 4",
     "pdv check-config configs/placement.json --world-size 4   # everything the launch will load; \"ok\"",
+    "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu deepspeed --num_gpus 4 train_gpt.py --deepspeed_config configs/demo.json "
+    "--steps 20",
+    "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu deepspeed --num_gpus 4 train_gpt.py --deepspeed_config configs/placement.json "
+    "--steps 20",
+    "pdv example plugins .",
+    "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu deepspeed --num_gpus 4 train_gpt.py --deepspeed_config "
+    "configs/my_plugins.json --steps 5",
     "pdv example minimal .",
     "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu deepspeed --num_gpus 2 minimal.py --steps 5",
 ]
@@ -236,12 +244,16 @@ def check_docs(pages: List[str], ds_cache: str) -> None:
         env = dict(os.environ)
         if cmd.startswith("OMP_NUM_THREADS") and ds_cache:
             env["TORCH_EXTENSIONS_DIR"] = ds_cache  # DeepSpeed's op built once, not minutes in every wheel test
-            cmd = cmd.replace("deepspeed --num_gpus 2", f"deepspeed --master_port {free_port()} --num_gpus 2")
+            cmd = cmd.replace("deepspeed --num_gpus", f"deepspeed --master_port {free_port()} --num_gpus")
         t = time.monotonic()
         out = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
         tail = (out.stdout + out.stderr).strip()[-1500:]
         check(out.returncode == 0, f"`{cmd}` runs as written from the installed package "
                                    f"({time.monotonic() - t:.0f} s){'' if out.returncode == 0 else ': ' + tail}")
+        if "my_plugins.json" in cmd:
+            check("aggregator NormFilteredMean(max_norm=50.0)" in out.stdout + out.stderr
+                  and "policies my_policy:PlateauLR(" in out.stdout + out.stderr,
+                  "the plugin run named the aggregator and the policy plugins at start-up")
         if "minimal.py" in cmd:
             check("step 5 loss" in out.stdout and "aggregator adasum" in out.stdout,
                   "the minimal program trained 5 steps with adasum")
