@@ -278,7 +278,7 @@ def test_a_checkpoint_under_another_plan_is_announced_on_resume(tmp_path):
     runner = runner_for(sim, [{"name": "rebalance"}, {"name": "replan", "total_steps": 200}])
     drive(runner, sim, 6)
     runner._queue.append({"action": SetDataShares((5, 3), source="x").to_dict()})
-    drive(runner, sim, 2)  # applied, then one reading under it (rebalance would undo it after two)
+    drive(runner, sim, 4)  # applied, rebalance's warm-up (2 readings), then one reading under it (not yet undone)
     state = runner.state_dict()
     assert state["in_force"] == {"shares": [5, 3], "plan": sim.plan}
 

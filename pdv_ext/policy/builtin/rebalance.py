@@ -120,9 +120,11 @@ class Rebalance(Policy):
     def on_change(self, change: Change) -> None:
         """New shares, a move, a new batch or a checkpoint's other split: the per-replica times were measured
         under the old work (a replica's time per micro-batch is not the same under another share or plan), the
-        streak counted gains over the old split. Both restart from the next reading."""
+        streak counted gains over the old split. Both restart after `warmup_steps` readings: the first steps
+        under new work carry its transients (the iterator re-sliced, buffers re-shaped), which a fresh start
+        would take for the replicas' speeds."""
         if change.moves_work:
-            self.times, self.rest, self.streak, self.wanted = None, None, 0, None
+            self.times, self.rest, self.streak, self.wanted, self.seen = None, None, 0, None, 0
 
     def state_dict(self) -> Dict[str, Any]:
         return {"times": self.times, "rest": self.rest, "seen": self.seen, "streak": self.streak,
