@@ -48,6 +48,8 @@ def main():
         loss = engine.train_batch(data_iter=train_iter)
         if engine.global_rank == 0:
             print(f"step {step} loss {float(loss):.4f}", flush=True)
+    torch.distributed.barrier()  # leave together: no rank tears gloo down while a peer finishes the last step
+    torch.distributed.destroy_process_group()  # (without it a rank may abort at exit: "terminate called ...")
 
 
 if __name__ == "__main__":

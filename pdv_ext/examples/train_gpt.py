@@ -116,6 +116,8 @@ def main() -> None:
         path = os.path.join(args.out, "metrics.csv")
         print(f"[demo] done in {time.perf_counter() - start:.0f}s: held-out loss {final:.3f} nats/byte "
               f"({final / 0.6931:.2f} bits/byte); metrics in {path}", flush=True)
+    torch.distributed.barrier()  # leave together, then tear gloo down while the interpreter is fully alive
+    torch.distributed.destroy_process_group()
 
 if __name__ == "__main__":
     main()
