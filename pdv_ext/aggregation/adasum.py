@@ -291,10 +291,13 @@ def _adasum_virtual(buf: _Virtual, comm: Comm, eps: float, scratch: Optional[tor
     def recv_messages(lo: int, hi: int) -> List[torch.Tensor]:
         return [recv[s:e] for s, e in buf.message_bounds(lo, hi)]
 
-    def combine(segs: Segs, idx: Optional[torch.Tensor], ca: torch.Tensor, cb: torch.Tensor) -> None:
-        if segs:
-            mine = buf.pieces(segs)
-            kernels.adasum_combine(mine, into_recv(segs), ca.index_select(0, idx), cb.index_select(0, idx), out=mine)
+    def pair(segs: Segs) -> "kernels.AdasumPair":
+        """This rank's pieces and the received ones of `segs`: their dots, later their combination into
+        this rank's pieces (the lists checked once per level)."""
+        return kernels.adasum_pair(buf.pieces(segs), into_recv(segs))
+
+    def combine(p: "kernels.AdasumPair", idx: Optional[torch.Tensor], ca: torch.Tensor, cb: torch.Tensor) -> None:
+        p.combine(ca.index_select(0, idx), cb.index_select(0, idx), out=p.a)
 
     p2 = 1 << (size.bit_length() - 1)
     extra = size - p2
@@ -306,8 +309,9 @@ def _adasum_virtual(buf: _Virtual, comm: Comm, eps: float, scratch: Optional[tor
         comm.exchange({}, {rank + p2: recv_messages(0, n)}, device=dev)
         everything, idx = buf.plan(0, n, dev)
         sums = torch.zeros(3, n_t, dtype=torch.float64, device=dev)  # per tensor, as `combine` indexes them
-        _sums_into(sums, idx, kernels.adasum_dots(buf.pieces(everything), into_recv(everything)))
-        combine(everything, idx, *_coefficients(sums[0], sums[1], sums[2], eps))
+        p = pair(everything)
+        _sums_into(sums, idx, p.dots())
+        combine(p, idx, *_coefficients(sums[0], sums[1], sums[2], eps))
     else:
         comm.exchange({}, {}, device=dev)
 
@@ -321,6 +325,7 @@ def _adasum_virtual(buf: _Virtual, comm: Comm, eps: float, scratch: Optional[tor
         left = (rank & dist) == 0
         segs: Segs = []
         idx: Optional[torch.Tensor] = None
+        level: Optional[kernels.AdasumPair] = None
         if active:
             peer = rank ^ dist
             mid = lo + _half(hi - lo)
@@ -328,7 +333,8 @@ def _adasum_virtual(buf: _Virtual, comm: Comm, eps: float, scratch: Optional[tor
             segs, idx = buf.plan(klo, khi, dev)
             comm.exchange({peer: buf.messages(slo, shi)}, {peer: recv_messages(klo, khi)})
             if segs:
-                dot, na, nb = kernels.adasum_dots(buf.pieces(segs), into_recv(segs))
+                level = pair(segs)
+                dot, na, nb = level.dots()
                 # row 1: the left subtree's |.|², row 2: the right one's
                 _sums_into(part, idx, (dot, na, nb) if left else (dot, nb, na))
         else:
@@ -337,7 +343,8 @@ def _adasum_virtual(buf: _Virtual, comm: Comm, eps: float, scratch: Optional[tor
         if active:
             dot, nl, nr = tot[0], tot[1], tot[2]
             ca, cb = _coefficients(dot, nl, nr, eps) if left else _coefficients(dot, nr, nl, eps)
-            combine(segs, idx, ca, cb)
+            if level is not None:
+                combine(level, idx, ca, cb)
             kept.append((dist, lo, hi))
             lo, hi = klo, khi
         dist *= 2

@@ -3,7 +3,8 @@ plain memory copy of the same device measured in the same run as the roofline.
 
 Bandwidth counts the bytes an op must move, nothing else: copy reads and writes n elements; Adasum (the
 per-level pair `adasum_dots` + in-place `adasum_combine` over a GPT-like list of tensors) reads a and b
-twice and writes a once (5 n elements); top-k with error feedback reads update and residual and writes
+twice and writes a once (5 n elements; the fused op as the aggregator calls it at each level of its tree:
+one `adasum_pair`, its dots, its combination into a); top-k with error feedback reads update and residual and writes
 residual (3 n); median and trimmed mean read the m x n/m stack and write n/m ((m + 1) n / m). Temporaries an
 implementation allocates are not counted (that is its cost). Elements are counted at the input dtype's
 size. On CPU all variants use torch.get_num_threads() threads. On CUDA every op (and the copy) is timed three
@@ -86,6 +87,18 @@ def _time_synced(fn: Callable[[], None], inner: int, sync: Callable[[], None]) -
     return median(ts)
 
 
+def _spin_up(fn: Callable[[], None], seconds: float = 0.5) -> None:
+    """Keep the GPU busy with `fn` for `seconds` before timing: an idle GPU waits at a low clock (an H200 at
+    345 MHz of 1980): in the first `gpu_check.sh` of 2026-11-27 the first repetitions timed up to 1.7x
+    slower than the later ones."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+
+
 def cuda_timers(inner: int) -> Dict[str, Callable[[Callable[[], None]], float]]:
     """The three ways a CUDA op is timed, by key infix: "" device time (CUDA events, the historical keys),
     "_queued" and "_synced" wall time (see _time_queued / _time_synced). The copy is timed the same three
@@ -113,9 +126,10 @@ def _cases(n: int, m: int, device: str, dtype: torch.dtype):
     stack = randn(m, n // m)
     trim = min((m - 1) // 2, max(1, m // 4))  # about a quarter of the rows dropped at each end
 
-    def ada_fused():
-        K.adasum_dots(a, b)
-        K.adasum_combine(a, b, half, half, out=a)
+    def ada_fused():  # as the Adasum aggregator runs a level: one pair, its dots, its combination into a
+        level = K.adasum_pair(a, b)
+        level.dots()
+        level.combine(half, half, out=a)
 
     def ada_torch():
         K.adasum_dots_torch(a, b)
@@ -157,7 +171,7 @@ def run(elements: int, reps: int, m: int = 4, device: str = "cpu", dtypes: Seque
         for name, (fn, _) in cases.items():  # warm-up (and the kernel build / Triton compile)
             fn()
         if device == "cuda":
-            torch.cuda.synchronize()
+            _spin_up(cases["copy"][0])
         for rep in range(reps):
             for mode, timer in modes.items():
                 for name, (fn, _) in cases.items():  # alternate, so machine noise hits every case alike

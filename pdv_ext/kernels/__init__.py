@@ -18,6 +18,8 @@ API (stable; aggregators call only these):
 - `adasum_combine(a, b, ca, cb, out=None) -> list`: out_i = ca_i * a_i + cb_i * b_i (computed in float64,
   rounded to the dtype); `ca`/`cb` are float64 tensors of len(a) on any device (read without a host round
   trip); with `out` (which may be `a` or `b`) the results are written there and `out` is returned
+- `adasum_pair(a, b) -> AdasumPair` with `.dots()` and `.combine(ca, cb, out=None)`: the two calls above on
+  one pair of lists, the lists checked once (an Adasum level; the tensors keep their layout between them)
 - `topk_error_feedback(update, residual, k) -> (indices, values)`: selects the k largest |update + residual|
   entries (flattened), returns them and leaves residual = (update + residual) with those entries zeroed.
   Indices are int64 in ascending order; NaN ranks above +inf; ties at the k-th value go to the lower index.
@@ -54,8 +56,8 @@ from .reference import coordinate_median as coordinate_median_torch
 from .reference import topk_error_feedback as topk_error_feedback_torch
 from .reference import trimmed_mean as trimmed_mean_torch
 
-__all__ = ["adasum_dots", "adasum_combine", "topk_error_feedback", "coordinate_median", "trimmed_mean",
-           "backend", "prebuild_jit_ops", "adasum_dots_torch", "adasum_combine_torch",
+__all__ = ["adasum_dots", "adasum_combine", "adasum_pair", "AdasumPair", "topk_error_feedback", "coordinate_median",
+           "trimmed_mean", "backend", "prebuild_jit_ops", "adasum_dots_torch", "adasum_combine_torch",
            "topk_error_feedback_torch", "coordinate_median_torch", "trimmed_mean_torch"]
 
 _TRITON_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -276,6 +278,47 @@ def adasum_combine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ca: tor
         if d is not o:
             o.copy_(d)
     return outs
+
+
+class AdasumPair:
+    """`adasum_dots` and then `adasum_combine` of one pair of tensor lists, checked once: what Adasum does at
+    each level of its tree (the dots; the sums exchanged; the combination, usually into one of the lists).
+    Made by `adasum_pair(a, b)`. The free functions each work out the lists' layout (~15 us of host time
+    per 61 tensors on a GPU's host, issue #39); a pair does it once for both calls. Between the calls the
+    tensors must keep their places, sizes and layouts (writing their values is fine: that is the point)."""
+
+    __slots__ = ("a", "b", "_key", "_st")
+
+    def __init__(self, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]):
+        self.a, self.b = a, b
+        self._key = _pair_key(a, b)
+        self._st = _pair_launch(self._key)
+        if self._st is None and self._key is not None:  # a layout not seen yet: checked in full once
+            a_list, sig = _first("a", a)
+            _like("b", b, "a", sig)
+            if a_list:
+                self._st = _remember(self._key, _choose(sig), a_list, list(b))
+
+    def dots(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """adasum_dots(a, b)."""
+        return self._st.dots() if self._st is not None else adasum_dots(self.a, self.b)
+
+    def combine(self, ca: torch.Tensor, cb: torch.Tensor,
+                out: Optional[Sequence[torch.Tensor]] = None) -> List[torch.Tensor]:
+        """adasum_combine(a, b, ca, cb, out)."""
+        st = self._st
+        if st is not None and out is not None and type(out) in (list, tuple) and _coefficient_ok(ca, st.n) \
+                and _coefficient_ok(cb, st.n):
+            target = _out_target(st, self._key, self.a, self.b, out)
+            if target is not None:
+                st.combine(ca, cb, *target)
+                return list(out)
+        return adasum_combine(self.a, self.b, ca, cb, out)
+
+
+def adasum_pair(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> AdasumPair:
+    """An `AdasumPair` of the lists a and b (checks as `adasum_dots` does)."""
+    return AdasumPair(a, b)
 
 
 def topk_error_feedback(update: torch.Tensor, residual: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -33,6 +33,10 @@ import triton.language as tl
 
 #: elements per program of the list ops and top-k (tests lower them to cover many blocks on tiny inputs)
 BLOCK = 4096
+#: elements per program of top-k's count and write passes, at most BLOCK: the write's two block-wide scans
+#: hold ~190 registers a thread at 4096 (two programs of 4 warps per multiprocessor: the write took 201 us
+#: of device time at 64 MB on an H200, 2026-11-26, a third of the whole top-k), ~70 at 1024 (kernels_triton_check.py --compile checks it)
+TOPK_BLOCK = 1024
 #: elements (columns x padded rows) per program of median / trimmed mean
 SORT_TILE = 4096
 _tables: "OrderedDict[tuple, object]" = OrderedDict()  # LRU of device tables; ranks may be threads: locked
@@ -95,6 +99,50 @@ def _aligned(*lists: Sequence[torch.Tensor]) -> bool:
     """Whether every tensor of the lists starts on a 16-byte boundary (the kernels then load and store 16
     bytes at a time). Host arithmetic on addresses the caller already has: no device access."""
     return all(t.data_ptr() % 16 == 0 for ts in lists for t in ts if t.numel())
+
+
+# ---- launches ------------------------------------------------------------------------------------------------
+#: PDV_TRITON_LAUNCH=jit sends every launch through Triton's JITFunction (for comparison: `pdv bench kernels`
+#: run both ways shows what the direct launch saves); anything else: the direct launch below
+_launches: "OrderedDict[tuple, object]" = OrderedDict()  # (kernel, grid, device, options, specialisation) -> runner
+_launches_lock = threading.Lock()
+
+
+def _spec(args: tuple) -> tuple:
+    """The key of a compiled kernel among calls of one kernel: for a tensor its dtype and whether its address
+    is a multiple of 16 (what Triton specialises a pointer on), any other argument its type and value (ints by value:
+    constexprs among them must be, and Triton's own int specialisations - width, multiple of 16, equal to
+    1 - follow from the value). Telling more apart than Triton does only costs a trip through its JIT path."""
+    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)
+
+
+def _launch(kernel, grid: tuple, *args, **options) -> None:
+    """kernel[grid](*args, **options), every argument positional (constexprs too, in the kernel's order).
+
+    Triton's JITFunction spends host time on every launch binding the arguments, specialising and looking
+    its cache up (issue #39: the host, not the GPU, set the pace of Adasum, median and trimmed mean). After the first launch of a specialisation the compiled kernel Triton returned is
+    launched directly (`CompiledKernel[grid](*args)`, Triton's C launcher on the current stream), keyed by
+    the grid, the current device and `_spec(args)`; Triton's launch hooks (a profiler's) are called on that
+    path too. Not under the interpreter (nothing compiled is returned) nor with PDV_TRITON_LAUNCH=jit."""
+    key = None
+    if os.environ.get("PDV_TRITON_LAUNCH", "") != "jit":
+        key = (kernel, grid, torch.cuda.current_device() if torch.cuda.is_initialized() else -1,
+               tuple(sorted(options.items())), _spec(args))
+        runner = _launches.get(key)
+        if runner is not None:
+            runner(*args)
+            return
+    compiled = kernel[grid](*args, **options)
+    if key is not None and compiled is not None and hasattr(compiled, "__getitem__") and \
+            not isinstance(compiled, (list, tuple, dict)):
+        try:
+            runner = compiled[grid]
+        except Exception:  # a Triton without CompiledKernel.__getitem__: the JIT path every time
+            return
+        with _launches_lock:
+            _launches[key] = runner
+            if len(_launches) > 512:
+                _launches.popitem(last=False)
 
 
 @triton.jit
@@ -202,9 +250,9 @@ class PairLaunch:
         (work on one stream runs in order; ranks on threads have layouts of their own)."""
         out = torch.empty(3, self.n, dtype=torch.float64, device=self.dev)
         if self.nblocks:
-            _dots_partial[(self.nblocks,)](*self.a, *self.b, self.ref, self.seg, self.start, self.sizes, self.part,
-                                           self.nblocks, BLOCK=self.block, ALIGN=self.align_ab)
-        _dots_reduce[(self.n,)](self.part, self.first, out, max(self.nblocks, 1), self.n, RB=256)
+            _launch(_dots_partial, (self.nblocks,), *self.a, *self.b, self.ref, self.seg, self.start, self.sizes,
+                    self.part, self.nblocks, self.block, self.align_ab)
+        _launch(_dots_reduce, (self.n,), self.part, self.first, out, max(self.nblocks, 1), self.n, 256)
         return out.unbind(0)
 
     def out_segments(self, key: tuple, outs: Sequence[torch.Tensor]):
@@ -225,8 +273,8 @@ class PairLaunch:
             ca = ca.to(device=self.dev, dtype=torch.float64, non_blocking=nb).contiguous()
         if cb.device != self.dev or cb.dtype != torch.float64 or not cb.is_contiguous():
             cb = cb.to(device=self.dev, dtype=torch.float64, non_blocking=nb).contiguous()
-        _combine[(self.nblocks,)](*self.a, *self.b, *out_seg, self.ref, self.seg, self.start, self.sizes, ca, cb,
-                                  BLOCK=self.block, ALIGN=self.align_ab and out_aligned, enable_fp_fusion=False)
+        _launch(_combine, (self.nblocks,), *self.a, *self.b, *out_seg, self.ref, self.seg, self.start, self.sizes, ca,
+                cb, self.block, self.align_ab and out_aligned, enable_fp_fusion=False)
 
 
 @triton.jit
@@ -396,20 +444,22 @@ def topk_error_feedback(update: torch.Tensor, residual: torch.Tensor, k: int,
     n = update.numel()
     nblocks = triton.cdiv(n, BLOCK)
     key = torch.empty(n, dtype=torch.int64 if update.dtype == torch.float64 else torch.int32, device=update.device)
-    _topk_prep[(nblocks,)](update, residual, key, n, BLOCK=BLOCK)
+    _launch(_topk_prep, (nblocks,), update, residual, key, n, BLOCK)
     if topk_select(select) == "radix" and key.dtype == torch.int32 and n < 2 ** 31:  # int32 bin counts
         thr = _radix_threshold(key, k)
     else:
         thr = torch.topk(key, k, sorted=False).values.min()
+    block = min(BLOCK, TOPK_BLOCK)
+    nblocks = triton.cdiv(n, block)
     counts = torch.empty(2, nblocks, dtype=torch.int64, device=update.device)
-    _topk_count[(nblocks,)](key, thr, counts, n, nblocks, BLOCK=BLOCK)
+    _launch(_topk_count, (nblocks,), key, thr, counts, n, nblocks, block)
     above_before = counts[0].cumsum(0) - counts[0]
     ties_before = counts[1].cumsum(0) - counts[1]
     need = k - counts[0].sum()
     base = above_before + torch.minimum(ties_before, need)  # entries taken by the blocks before
     idx = torch.empty(k, dtype=torch.int64, device=update.device)
     vals = torch.empty(k, dtype=update.dtype, device=update.device)
-    _topk_write[(nblocks,)](key, residual, thr, base, ties_before, need, idx, vals, n, BLOCK=BLOCK)
+    _launch(_topk_write, (nblocks,), key, residual, thr, base, ties_before, need, idx, vals, n, block)
     return idx, vals
 
 
@@ -480,8 +530,8 @@ def _sorted_rows_call(flat: torch.Tensor, trim: int, median: bool) -> torch.Tens
     mp2 = max(2, triton.next_power_of_2(m))
     block = max(16, SORT_TILE // mp2)
     if n:
-        _sorted_rows[(triton.cdiv(n, block),)](flat, out, n, flat.stride(0), M=m, MP2=mp2, TRIM=trim,
-                                               MEDIAN=median, F=64 if flat.dtype == torch.float64 else 32, BLOCK=block)
+        _launch(_sorted_rows, (triton.cdiv(n, block),), flat, out, n, flat.stride(0), m, mp2, trim, median,
+                64 if flat.dtype == torch.float64 else 32, block)
     return out
 
 

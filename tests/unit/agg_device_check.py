@@ -26,7 +26,7 @@ def main(cases):
     from pdv_ext.kernels import triton_gpu as T
     import tests.gpu.test_aggregators_gpu as G
 
-    T.BLOCK, T.SORT_TILE = 64, 128
+    T.BLOCK, T.SORT_TILE, T.TOPK_BLOCK = 64, 128, 32
     lock = threading.Lock()
     for name in ("adasum_dots", "adasum_combine", "topk_error_feedback", "coordinate_median", "trimmed_mean"):
         fn = getattr(K, name)

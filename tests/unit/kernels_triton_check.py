@@ -14,12 +14,17 @@ catches what the interpreter lets through (types, unsupported ops in compiled co
 """
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
+from typing import Optional
 
 DTYPES = ["float32", "bfloat16", "float16", "float64"]
 CASES = ([f"{op}_{dt}" for op in ("dots", "combine", "topk", "median", "trimmed") for dt in DTYPES]
-         + [f"topkradix_{dt}" for dt in DTYPES[:3]] + ["radix", "bench", "empty", "tables", "hostcost"])
+         + [f"topkradix_{dt}" for dt in DTYPES[:3]] + [f"pair_{dt}" for dt in DTYPES[:2]]
+         + ["radix", "bench", "empty", "tables", "hostcost", "launch"])
 
 
 def main(cases):
@@ -30,7 +35,7 @@ def main(cases):
     from pdv_ext.kernels import triton_gpu as T
 
     assert K.backend("cpu") == "triton", K.backend("cpu")
-    T.BLOCK, T.SORT_TILE = 64, 128
+    T.BLOCK, T.SORT_TILE, T.TOPK_BLOCK = 64, 128, 32  # (top-k's count and write: blocks smaller than its prep's)
     nan, inf = float("nan"), float("inf")
     g = torch.Generator().manual_seed(0)
 
@@ -95,6 +100,80 @@ def main(cases):
         K.adasum_combine(mine, b, ca, cb, out=mine)
         for x, y in zip(mine, ref):
             same(x, y)
+
+    def pair(dt):
+        """adasum_pair(a, b): its dots and combine equal the free functions' (and the reference's) for every
+        kind of `out` (None, a, b, another list, a strided list), on mixed and unaligned layouts."""
+        a, b = lists(dt)
+        ca = torch.linspace(-1.5, 2.0, len(a), dtype=torch.float64)
+        cb = torch.linspace(0.3, 0.9, len(a), dtype=torch.float64)
+        ref = R.adasum_combine(a, b, ca, cb)
+        for x, y in zip(K.adasum_pair(a, b).dots(), K.adasum_dots(a, b)):
+            same(x, y)
+        for x, y in zip(K.adasum_pair(a, b).combine(ca, cb), ref):
+            same(x, y)
+        for layout in (lambda ts: [t.contiguous() for t in ts], unaligned):
+            for target in ("a", "b", "other", "strided"):
+                mine, theirs = layout([x.clone() for x in a]), layout([y.clone() for y in b])
+                p = K.adasum_pair(mine, theirs)
+                for x, y in zip(p.dots(), R.adasum_dots(a, b)):
+                    torch.testing.assert_close(x, y, rtol=1e-13, atol=1e-13, equal_nan=True)
+                out = {"a": mine, "b": theirs, "other": [torch.empty_like(x) for x in a],
+                       "strided": [torch.zeros(2 * x.numel(), dtype=dt)[::2].view(x.shape) for x in a]}[target]
+                assert p.combine(ca, cb, out=out) == list(out)
+                for x, y in zip(out, ref):
+                    same(x, y)
+        try:
+            K.adasum_pair(a, b[:-1])
+            raise AssertionError("a pair of lists of different lengths was accepted")
+        except ValueError as e:
+            assert "b:" in str(e), e
+
+    def launch(_):
+        """_launch: the first launch of a specialisation goes through the kernel's JIT path, later ones
+        straight to the compiled kernel; another dtype, alignment or int value (a constexpr, say) goes
+        through the JIT path again; PDV_TRITON_LAUNCH=jit keeps the JIT path; a kernel that returns nothing
+        (the interpreter) is never cached."""
+        calls = []
+
+        class Compiled:
+            def __getitem__(self, grid):
+                return lambda *args: calls.append(("direct", grid, args))
+
+        class Kernel:
+            def __init__(self, returns):
+                self.returns = returns
+
+            def __getitem__(self, grid):
+                def run(*args, **opts):
+                    calls.append(("jit", grid, args))
+                    return self.returns
+                return run
+
+        kern, buf, other = Kernel(Compiled()), torch.zeros(64), torch.ones(64)
+        T._launch(kern, (4,), buf, 32, 7)
+        T._launch(kern, (4,), other, 32, 7)  # another tensor of the same dtype and alignment
+        assert [c[0] for c in calls] == ["jit", "direct"] and calls[1][2][0] is other, calls
+        for args in ((buf[1:], 32, 7), (buf, 48, 7), (buf, 1, 7), (buf, 2 ** 40, 7), (buf, 32, 8),  # ints: by value
+                     (buf.double(), 32, 7), (buf, 32, True), (buf, 32, 7.0)):
+            calls.clear()
+            T._launch(kern, (4,), *args)
+            assert [c[0] for c in calls] == ["jit"], (args, calls)
+        calls.clear()
+        T._launch(kern, (8,), buf, 32, 7)  # another grid
+        assert [c[0] for c in calls] == ["jit"], calls
+        calls.clear()
+        os.environ["PDV_TRITON_LAUNCH"] = "jit"
+        try:
+            T._launch(kern, (4,), buf, 32, 7)
+        finally:
+            del os.environ["PDV_TRITON_LAUNCH"]
+        assert [c[0] for c in calls] == ["jit"], calls
+        calls.clear()
+        nothing = Kernel(None)
+        T._launch(nothing, (4,), buf, 32, 7)
+        T._launch(nothing, (4,), buf, 32, 7)
+        assert [c[0] for c in calls] == ["jit", "jit"], calls
 
     def topk(dt):
         cases = [(torch.randint(-3, 4, (300,), generator=g).to(dt), torch.zeros(300, dtype=dt), k)
@@ -264,6 +343,11 @@ def main(cases):
                 K.adasum_dots(a, b)
                 K.adasum_combine(a, b, half, half, out=a)
 
+            def pair_level():  # as the aggregator runs a level: the lists' layout worked out once
+                p = K.adasum_pair(a, b)
+                p.dots()
+                p.combine(half, half, out=a)
+
             level()
             launches.clear()
             with Aten() as aten:
@@ -271,19 +355,30 @@ def main(cases):
             assert launches == ["_dots_partial", "_dots_reduce", "_combine"], launches
             with Calls() as calls:
                 level()
+            pair_level()
+            launches.clear()
+            with Aten() as pair_aten:
+                pair_level()
+            assert launches == ["_dots_partial", "_dots_reduce", "_combine"], launches
+            with Calls() as pair_calls:
+                pair_level()
         finally:
             for k, v in saved.items():
                 setattr(T, k, v)
-        assert len(aten.ops) <= 2, aten.ops
+        assert len(aten.ops) <= 2 and len(pair_aten.ops) <= 2, (aten.ops, pair_aten.ops)
         assert calls.n <= 20 * len(a), f"{calls.n} torch calls for {len(a)} tensors"
+        # the pair reads each tensor's layout once for both calls (4 tensor calls a tensor per list), the
+        # free functions once per call
+        assert pair_calls.n <= calls.n - 6 * len(a), (pair_calls.n, calls.n)
 
     ops = {"dots": dots, "combine": combine, "topk": topk, "topkradix": topkradix, "median": median,
-           "trimmed": trimmed}
+           "trimmed": trimmed, "pair": pair}
     out = {}
     for case in cases:
         op, _, dt = case.partition("_")
         try:
-            special = {"empty": empty, "tables": tables, "radix": radix, "bench": bench, "hostcost": hostcost}
+            special = {"empty": empty, "tables": tables, "radix": radix, "bench": bench, "hostcost": hostcost,
+                       "launch": launch}
             special.get(case, ops.get(op))(getattr(torch, dt) if dt else None)
             out[case] = "ok"
         except Exception:
@@ -307,11 +402,27 @@ def compile_all():
 
     out = {}
 
-    def comp(name, fn, signature, consts, must=None, must_not=None, **opts):
+    def registers(cubin: bytes) -> Optional[int]:
+        """Registers a thread of the compiled kernel holds (cuobjdump -res-usage, bundled with Triton)."""
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        if not os.path.exists(tool):
+            return None
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(cubin)
+            f.flush()
+            usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        found = re.search(r"REG:(\d+)", usage)
+        return int(found.group(1)) if found else None
+
+    def comp(name, fn, signature, consts, must=None, must_not=None, max_regs=None, **opts):
         try:
             src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in consts}}, constexprs=consts)
-            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+            ptx = compiled.asm["ptx"]
             assert ptx
+            if max_regs is not None:  # occupancy: more registers a thread, fewer programs a multiprocessor
+                regs = registers(compiled.asm["cubin"])
+                assert regs is None or regs <= max_regs, f"{regs} registers a thread (at most {max_regs})"
             if must is not None:  # e.g. 16-byte vector loads: what the ALIGN hint is for
                 assert must in ptx, f"no '{must}' in the PTX"
             if must_not is not None:  # e.g. a division whose rounding another device does not share
@@ -332,9 +443,11 @@ def compile_all():
                  {"BLOCK": 4096, "ALIGN": align}, must=_VEC[dt] if align else None, enable_fp_fusion=False)
         comp(f"topk_prep_{dt}", T._topk_prep, sig(["U", "R", "KEY", "n"], U=p, R=p, KEY=key, n="i32"), {"BLOCK": 4096})
         comp(f"topk_count_{dt}", T._topk_count, sig(["KEY", "THR", "counts", "n", "nblocks"], KEY=key, THR=key,
-             n="i32", nblocks="i32"), {"BLOCK": 4096})
+             n="i32", nblocks="i32"), {"BLOCK": T.TOPK_BLOCK})
+        # the write's two block-wide scans: 193 registers a thread at 4096 (2 programs a multiprocessor; 201 us
+        # at 64 MB on an H200), 72 at 1024 (float32 keys, sm_90, Triton 3.9)
         comp(f"topk_write_{dt}", T._topk_write, sig(["KEY", "R", "THR", "base", "ties_before", "NEED", "IDX", "VALS",
-             "n"], KEY=key, R=p, THR=key, VALS=p, n="i32"), {"BLOCK": 4096})
+             "n"], KEY=key, R=p, THR=key, VALS=p, n="i32"), {"BLOCK": T.TOPK_BLOCK}, max_regs=96)
         if dt == "fp32":  # the radix select (int32 keys: every dtype but float64)
             for ps in range(T.RADIX_PASSES):
                 comp(f"radix_hist_pass{ps}", T._radix_hist, sig(["KEY", "BINS", "K", "n"], KEY=key, BINS="*i32",
