@@ -2,7 +2,8 @@
 # Everything issue #20 asks to measure on a GPU, in one command (a lent GPU machine costs a minute per start):
 # the kernels' GB/s beside the device copy's, the profile's predicted vs measured step, and the GPU tier of
 # the tests - in that order, so that a run cut short by the machine's per-command limit still has the
-# figures. Outputs go to $OUT (default ./build/gpu-check): kernels.json, profile.json, pytest.log.
+# figures. Outputs go to $OUT (default ./build/gpu-check): kernels.json, profile.json, pytest.log, their logs
+# (*.err, each line with its time) and clocks.csv (the card's clocks and power every 0.5 s).
 #   make test-gpu / a machine with the project's .venv:   bash scripts/gpu_check.sh
 #   a lent GPU machine without the venv, carrying the prepared .gpu/ wheels (docs/kernels.md):
 #       source .gpu/device-setup.sh && bash scripts/gpu_check.sh
@@ -18,6 +19,15 @@ PARTS=${PARTS:-kernels profile tests}
 mkdir -p "$OUT"
 export DS_ACCELERATOR=cuda PYTHONUNBUFFERED=1
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0), torch.__version__)" || exit 2
+stamp() { while IFS= read -r line; do printf '%s %s\n' "$(date +%T.%3N)" "$line"; done; }  # log lines get times
+# the card's clocks, power and load through the run (nvidia-smi, every 0.5 s), to set beside the logs' times:
+# an idle GPU waits at a low clock, and a long run can slow under its power limit
+clock_pid=""
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
+    --format=csv -lms 500 > "$OUT/clocks.csv" 2>/dev/null & clock_pid=$!
+fi
+trap '[ -n "$clock_pid" ] && kill $clock_pid 2>/dev/null' EXIT
 rc=0
 XDIST_ARGS=""
 if [ "${XDIST:-1}" != 0 ] && "$PY" -c "import xdist" 2>/dev/null; then XDIST_ARGS="-n auto --dist loadgroup"; fi
@@ -26,10 +36,10 @@ for part in $PARTS; do
   t0=$(date +%s)
   case $part in
     kernels)
-      "$PY" -m pdv_ext.cli bench kernels --device cuda --json 2> "$OUT/kernels.err" | tail -1 > "$OUT/kernels.json" || rc=1
+      "$PY" -m pdv_ext.cli bench kernels --device cuda --json 2> >(stamp > "$OUT/kernels.err") | tail -1 > "$OUT/kernels.json" || rc=1
       cat "$OUT/kernels.json" ;;
     profile)
-      "$PY" -m pdv_ext.cli bench profile --device cuda --json 2> "$OUT/profile.err" | tail -1 > "$OUT/profile.json" || rc=1
+      "$PY" -m pdv_ext.cli bench profile --device cuda --json 2> >(stamp > "$OUT/profile.err") | tail -1 > "$OUT/profile.json" || rc=1
       cat "$OUT/profile.json" ;;
     tests)
       # shellcheck disable=SC2086
