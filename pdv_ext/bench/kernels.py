@@ -15,10 +15,10 @@ work, so a host-bound op shows here); synced wall time, a synchronisation after 
 Variants are timed alternately, so machine noise hits every case alike; each figure is the median of the
 repetitions.
 
-On CUDA (wherever Triton answers), top-k is timed twice in the same run: `topk_fused` with the default threshold finder
-(torch.topk unless PDV_TOPK_SELECT says otherwise; the result's `topk_select` names it) and `topk_radix`
-with the Triton radix select (`topk_radix_gbps`, `topk_radix_vs_copy`, and their `_bf16` keys), so that
-one run on a GPU shows which to make the default.
+On CUDA (wherever Triton answers), top-k is also timed with each threshold finder named: `topk_fused` with
+the default (the Triton radix select unless PDV_TOPK_SELECT says otherwise; the result's `topk_select`
+names it), `topk_radix` with the radix select and `topk_torchselect` with torch.topk (`*_gbps`,
+`*_vs_copy`, and their `_bf16` keys), so that one run on a GPU shows which should be the default.
 """
 from __future__ import annotations
 
@@ -138,8 +138,9 @@ def _cases(n: int, m: int, device: str, dtype: torch.dtype):
     rows = (m + 1) * (n // m) * size
     topk = {"topk_fused": (lambda: K.topk_error_feedback(upd, res, k), 3 * n * size)}
     if K.backend(device) == "triton" and dtype != torch.float64 and 0 < k < n:
-        T = K._triton()  # the Triton radix select beside the default threshold finder (see module doc)
+        T = K._triton()  # each threshold finder named, beside the default (see module doc)
         topk["topk_radix"] = (lambda: T.topk_error_feedback(upd, res, k, select="radix"), 3 * n * size)
+        topk["topk_torchselect"] = (lambda: T.topk_error_feedback(upd, res, k, select="torch"), 3 * n * size)
     return {
         "copy": (lambda: dst.copy_(src), 2 * n * size),
         "adasum_fused": (ada_fused, 5 * n * size),
@@ -186,7 +187,7 @@ def run(elements: int, reps: int, m: int = 4, device: str = "cpu", dtypes: Seque
                 if i:
                     out[f"{name}{mode}{sfx}_us"] = round(median(times[mode][name]) * 1e6, 1)
             for name in cases:
-                if name.endswith(("_fused", "_radix")):
+                if name.endswith(("_fused", "_radix", "_torchselect")):
                     out[f"{name}{mode}{sfx}_vs_copy"] = round(gbps[name] / gbps["copy"], 3)
     return out
 

@@ -35,7 +35,7 @@ def _cuda(device: str) -> bool:
 
 
 def gpt_profile(model: Dict[str, int], device: str, reps: int = 5, timing: str = "auto",
-                calibrate: Optional[bool] = None, engine: bool = True, warm_seconds: float = 0.0):
+                calibrate: Optional[bool] = None, engine: bool = True):
     """The GPT's layer profile on `device` (with DeepSpeed's own work when `engine`)."""
     import torch
 
@@ -47,7 +47,7 @@ def gpt_profile(model: Dict[str, int], device: str, reps: int = 5, timing: str =
     ids, labels = torch.randint(0, 256, shape), torch.randint(0, 256, shape)
     layers = gpt_layers(model["layers"], model["hidden"], model["heads"], model["seq_len"])
     prof = profile_layers(layers, ids, reps=reps, device=device, loss_fn=lm_loss, labels=labels, timing=timing,
-                          calibrate=calibrate, warm_seconds=warm_seconds)
+                          calibrate=calibrate)
     if engine:
         prof.engine = engine_overhead(len(prof))
     return prof
@@ -96,7 +96,7 @@ def measured_step(model: Dict[str, int], stages: int = 1, plan: Optional[Dict[st
 
 
 def run(model: Dict[str, int], device: str, stages: int = 1, reps: int = 5, engine: bool = True,
-        timeout: float = 900.0, rounds: int = 3, warm_seconds: float = 0.0) -> Dict[str, Any]:
+        timeout: float = 900.0, rounds: int = 3) -> Dict[str, Any]:
     """Profile, plan, measure, `rounds` times; the result of one `pdv bench profile` run (medians over rounds)."""
     from ..placement.cluster import Cluster
     from ..placement.profile import engine_overhead
@@ -107,12 +107,11 @@ def run(model: Dict[str, int], device: str, stages: int = 1, reps: int = 5, engi
     overhead, profiles = None, []
     for r in range(rounds):
         log(f"[bench profile] round {r + 1}/{rounds}: profiling {model['layers']} blocks on {device}")
-        prof = gpt_profile(model, device, reps, engine=False, warm_seconds=warm_seconds)
+        prof = gpt_profile(model, device, reps, engine=False)
         if engine and r == 0:
             overhead = engine_overhead(len(prof))  # DeepSpeed's own work, timed once for every round
         prof.engine = overhead
-        layer_way = gpt_profile(model, device, reps, timing="layer", calibrate=False, engine=False,
-                                warm_seconds=warm_seconds)
+        layer_way = gpt_profile(model, device, reps, timing="layer", calibrate=False, engine=False)
         layer_way.engine = overhead
         profiles.append((prof, solve("dp", prof, cluster, stages, model["micro_batches"]),
                          solve("dp", layer_way, cluster, stages, model["micro_batches"])))
@@ -134,7 +133,7 @@ def run(model: Dict[str, int], device: str, stages: int = 1, reps: int = 5, engi
     prof = profiles[0][0]
     return {"device": device, "stages": stages, "boundaries": plan.boundaries, **model,
             "timing": prof.meta.get("timing"), "calibrated": "whole_pass_seconds" in prof.meta,
-            "engine_measured": overhead is not None, "rounds_taken": rounds, "warm_seconds": warm_seconds, **med,
+            "engine_measured": overhead is not None, "rounds_taken": rounds, **med,
             "worst_round_error": max(row["prediction_error"] for row in rows), "rounds": rows}
 
 
@@ -148,8 +147,6 @@ def main(argv=None) -> int:
     ap.add_argument("--no-engine", action="store_true", help="leave DeepSpeed's own work out of the profile")
     ap.add_argument("--rounds", type=int, default=3, help="profile + measured step taken this many times; the "
                     "error reported is the median over rounds (default 3)")
-    ap.add_argument("--warm-seconds", type=float, default=0.0, help="before each profile, run whole passes this "
-                    "long so the device is timed as loaded as in training (default 0)")
     ap.add_argument("--quick", action="store_true", help="a small model (smoke run)")
     args = ap.parse_args(argv)
     import torch
@@ -162,8 +159,6 @@ def main(argv=None) -> int:
                  f"refuses two ranks on one device), found {torch.cuda.device_count()}")
     if args.stages < 1 or args.reps < 1 or args.rounds < 1:
         ap.error("--stages, --reps and --rounds must be >= 1")
-    if not args.warm_seconds >= 0:
-        ap.error(f"--warm-seconds must be >= 0 (got {args.warm_seconds})")
     model = dict(QUICK if args.quick else DEFAULTS)
     for key in DEFAULTS:
         given = getattr(args, key)
@@ -171,8 +166,7 @@ def main(argv=None) -> int:
             if given < 1:
                 ap.error(f"--{key.replace('_', '-')} must be >= 1 (got {given})")
             model[key] = given
-    emit(run(model, device, args.stages, args.reps, engine=not args.no_engine, rounds=args.rounds,
-             warm_seconds=args.warm_seconds), args.json)
+    emit(run(model, device, args.stages, args.reps, engine=not args.no_engine, rounds=args.rounds), args.json)
     return 0
 
 

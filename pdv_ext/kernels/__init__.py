@@ -9,8 +9,8 @@ Which implementation answers is decided per call by the tensors:
   reference (`reference`), which is also sync-free and keeps results on the inputs' device.
 PDV_KERNELS=torch forces the reference everywhere; PDV_KERNELS=triton sends every supported dtype to Triton
 whatever the device (with TRITON_INTERPRET=1 that runs the GPU kernels on CPU tensors: the tests).
-PDV_TOPK_SELECT=torch|radix picks how Triton's top-k finds its threshold (torch.topk, the default, or a
-Triton radix select; docs/kernels.md).
+PDV_TOPK_SELECT=torch|radix picks how Triton's top-k finds its threshold (a Triton radix select, the
+default, or torch.topk; docs/kernels.md).
 
 API (stable; aggregators call only these):
 - `adasum_dots(a, b) -> (a·b, |a|², |b|²)` per tensor pair, products and sums in float64: three float64

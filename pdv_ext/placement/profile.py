@@ -545,7 +545,7 @@ def whole_pass_seconds(built: Sequence[Any], x: Any, loss: Optional[Callable] = 
 def profile_layers(layers: Sequence[Any], sample_input: Any, reps: int = 5, warmup: int = 1,
                    device: Optional[str] = None, progress: bool = False, loss_fn: Optional[Callable] = None,
                    labels: Any = None, optimizer: Optional[Callable] = None, timing: str = "auto",
-                   calibrate: Optional[bool] = None, tie_identical: bool = True, warm_seconds: float = 0.0) -> Profile:
+                   calibrate: Optional[bool] = None, tie_identical: bool = True) -> Profile:
     """Profile built modules / LayerSpecs / callables in order, feeding each the previous output.
 
     Forward+backward per layer: the backward is driven by a gradient of ones of the output's shape, so
@@ -571,10 +571,6 @@ def profile_layers(layers: Sequence[Any], sample_input: Any, reps: int = 5, warm
     solver then puts the blocks that happened to measure cheap together on one stage, which runs slower than
     predicted. `meta.identical_layers` lists the groups.
 
-    `warm_seconds`: run whole forward + backward passes for that long before the first timed round, so the
-    device is timed as loaded as training loads it (a GPU's clock follows its load, power and temperature;
-    default 0: the `warmup` rounds alone).
-
     Modules passed in built are profiled where they are moved to (`device`, default CUDA when available)
     and left as they were: same device, dtype, values, gradients, training mode and Parameter objects.
     They are profiled in training mode.
@@ -592,7 +588,7 @@ def profile_layers(layers: Sequence[Any], sample_input: Any, reps: int = 5, warm
     kept = [_Kept(spec) for spec in layers if isinstance(spec, nn.Module)]  # before any move: tied weights too
     try:
         return _profile(layers, sample_input, reps, warmup, dev, progress, loss_fn, labels, optimizer, timing,
-                        calibrate, tie_identical, warm_seconds)
+                        calibrate, tie_identical)
     finally:
         for k in kept:
             k.restore()
@@ -623,7 +619,7 @@ def _tie(samples: List[List[float]], groups: List[List[int]]) -> List[float]:
 
 
 def _profile(layers, sample_input, reps, warmup, dev, progress, loss_fn, labels, optimizer, timing, calibrate,
-             tie_identical, warm_seconds=0.0):
+             tie_identical):
     import torch
     from torch import nn
 
@@ -662,9 +658,6 @@ def _profile(layers, sample_input, reps, warmup, dev, progress, loss_fn, labels,
         rounds = tqdm(rounds, desc="profile", unit="round")
     whole = None
     try:
-        started = time.perf_counter()
-        while time.perf_counter() - started < warm_seconds:
-            whole_pass_seconds(built, first_input, last_loss, reps=1, warmup=0, event=event, synchronize=sync)
         for r in rounds:
             if timing == "pass":
                 res = _pass_round(built, inputs, updates, last_loss, event, sync)

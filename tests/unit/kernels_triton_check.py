@@ -23,7 +23,7 @@ from typing import Optional
 
 DTYPES = ["float32", "bfloat16", "float16", "float64"]
 CASES = ([f"{op}_{dt}" for op in ("dots", "combine", "topk", "median", "trimmed") for dt in DTYPES]
-         + [f"topkradix_{dt}" for dt in DTYPES[:3]] + [f"pair_{dt}" for dt in DTYPES[:2]]
+         + [f"topktorch_{dt}" for dt in DTYPES[:3]] + [f"pair_{dt}" for dt in DTYPES[:2]]
          + ["radix", "bench", "empty", "tables", "hostcost", "launch"])
 
 
@@ -194,8 +194,8 @@ def main(cases):
         i2, v2 = R.topk_error_feedback(u.t().contiguous(), r2, 40)
         same(i1, i2), same(v1, v2), same(r1, r2)
 
-    def topkradix(dt):  # top-k with the Triton radix select in place of torch.topk (float64 keeps torch.topk)
-        os.environ["PDV_TOPK_SELECT"] = "radix"
+    def topktorch(dt):  # top-k with torch.topk's threshold in place of the default radix select
+        os.environ["PDV_TOPK_SELECT"] = "torch"
         try:
             topk(dt)
         finally:
@@ -226,17 +226,19 @@ def main(cases):
             raise AssertionError("no ValueError")
         except ValueError:
             pass
-        assert T.topk_select() == "torch" and T.topk_select("RADIX") == "radix"
+        assert T.topk_select() == "radix" and T.topk_select("TORCH") == "torch"
 
     def bench(_):
-        """`pdv bench kernels` times the radix select beside the default wherever Triton answers (CUDA; here
-        the interpreter), and its case runs."""
+        """`pdv bench kernels` times each threshold finder beside the default wherever Triton answers (CUDA;
+        here the interpreter), and their cases run and agree."""
         from pdv_ext.bench import kernels as B
 
         cases = B._cases(500, 4, "cpu", torch.float32)
-        assert "topk_radix" in cases and "topk_fused" in cases
+        assert {"topk_radix", "topk_torchselect", "topk_fused"} <= set(cases)
         idx, vals = cases["topk_radix"][0]()
         assert idx.numel() == vals.numel() == 5 and bool((idx.diff() > 0).all())
+        idx2, _ = cases["topk_torchselect"][0]()  # (the residual moved on: another selection, same size)
+        assert idx2.numel() == 5 and bool((idx2.diff() > 0).all())
 
     def stacks(dt):
         for m in (1, 2, 3, 4, 5, 8):
@@ -371,7 +373,7 @@ def main(cases):
         # free functions once per call
         assert pair_calls.n <= calls.n - 6 * len(a), (pair_calls.n, calls.n)
 
-    ops = {"dots": dots, "combine": combine, "topk": topk, "topkradix": topkradix, "median": median,
+    ops = {"dots": dots, "combine": combine, "topk": topk, "topktorch": topktorch, "median": median,
            "trimmed": trimmed, "pair": pair}
     out = {}
     for case in cases:
