@@ -136,8 +136,9 @@ def main(cases):
         (the interpreter) is never cached."""
         calls = []
 
-        class Compiled:
+        class Compiled:  # Triton's CompiledKernel[grid] runner reads grid[0], grid[1] and grid[2]
             def __getitem__(self, grid):
+                assert len(grid) == 3, grid
                 return lambda *args: calls.append(("direct", grid, args))
 
         class Kernel:
@@ -154,6 +155,7 @@ def main(cases):
         T._launch(kern, (4,), buf, 32, 7)
         T._launch(kern, (4,), other, 32, 7)  # another tensor of the same dtype and alignment
         assert [c[0] for c in calls] == ["jit", "direct"] and calls[1][2][0] is other, calls
+        assert calls[0][1] == (4,) and calls[1][1] == (4, 1, 1), calls  # the JIT path pads a grid itself
         for args in ((buf[1:], 32, 7), (buf, 48, 7), (buf, 1, 7), (buf, 2 ** 40, 7), (buf, 32, 8),  # ints: by value
                      (buf.double(), 32, 7), (buf, 32, True), (buf, 32, 7.0)):
             calls.clear()
