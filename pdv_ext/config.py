@@ -24,6 +24,7 @@ from .placement.config import PlacementConfig  # noqa: E402
 from .policy.config import PolicyConfig, policy_plugins  # noqa: E402
 from .init_search_config import InitSearchConfig  # noqa: E402
 from .aggregation.faults_config import FaultsConfig  # noqa: E402
+from .recovery.config import SnapshotsConfig  # noqa: E402
 from .placement.check import placement_errors  # noqa: E402
 from .user_errors import exit_if_uncaught  # noqa: E402
 
@@ -48,6 +49,8 @@ class PDVConfig(StrictModel):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     init_search: InitSearchConfig = Field(default_factory=InitSearchConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    #: in-memory snapshots for resuming after a lost device or host (None: none; docs/recovery.md)
+    snapshots: Optional[SnapshotsConfig] = None
     #: micro-batches per data-parallel replica of the step's global batch: "equal" (DeepSpeed's split), a
     #: list (one count >= 1 per replica, adding up to the step's micro-batches), or "by_throughput" (the
     #: best split for the devices' throughputs in `pdv.placement.cluster`); policies may change it later

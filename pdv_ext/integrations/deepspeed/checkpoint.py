@@ -111,42 +111,64 @@ def local_entries(engine: Any) -> Tuple[Dict[str, ParamState], Dict[str, Any]]:
     return states, pdv
 
 
-def save_layer_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: Any = None) -> int:
-    """Write the layer-keyed form of `engine`'s state (collective: every rank calls it after DeepSpeed's
-    save_checkpoint). Returns the bytes this rank wrote."""
-    tag = tag if tag is not None else f"global_step{engine.global_steps}"
-    out = layer_dir(save_dir, tag)
+def stage_layer_entries(engine: Any) -> Tuple[Dict[int, Dict[str, Any]], Dict[str, Any], bool]:
+    """What the layer files of this rank's stage hold ({layer: {name: entry}}), this rank's pdv state and
+    whether replicas differ. Collective over the stage's data-parallel group (each replica's own part is
+    gathered where replicas differ or keep aggregator state); every replica gets the same entries."""
     states, pdv = local_entries(engine)
     grid = engine.grid
-    dp_group, dp_size, dp_id = grid.get_data_parallel_group(), grid.get_data_parallel_world_size(), grid.get_data_parallel_id()
+    dp_group, dp_size = grid.get_data_parallel_group(), grid.get_data_parallel_world_size()
     whole = replicas_differ(engine)
     mine = {n: _replica_part(s, whole) for n, s in states.items()}
     replicas: List[Dict[str, Any]] = [mine]
     if dp_size > 1 and (whole or any(s.aggregator for s in states.values())):
         replicas = [None] * dp_size  # type: ignore[list-item]
         dist.all_gather_object(replicas, mine, group=dp_group)
+    module = engine.module
+    start, stop = module.parts[engine.stage_id], module.parts[engine.stage_id + 1]
+    by_layer: Dict[int, Dict[str, Any]] = {}
+    dp_id = grid.get_data_parallel_id()
+    for name, st in states.items():
+        if dp_id == 0 or len(replicas) == 1:  # (one part only: the replicas hold the same state)
+            tensors, scalars = st.tensors(), st.scalars()
+        elif whole:  # another replica writes replica 0's entry as replica 0 would
+            tensors, scalars = replicas[0][name]["tensors"], replicas[0][name]["scalars"]
+        else:  # identical replicas: this replica's weights and optimizer state, replica 0's aggregator part
+            tensors = {**{k: v for k, v in st.tensors().items() if not is_aggregator_key(k)},
+                       **replicas[0][name]["tensors"]}
+            scalars = {**{k: v for k, v in st.scalars().items() if not is_aggregator_key(k)},
+                       **replicas[0][name]["scalars"]}
+        entry = {"tensors": tensors, "scalars": scalars, "replicas": [None] + [r.get(name) for r in replicas[1:]]}
+        for layer in layers_of(module, name):
+            if start <= layer < stop:
+                by_layer.setdefault(layer, {})[name] = entry
+    return by_layer, pdv, whole
+
+
+def meta_of(engine: Any, pdv: Dict[str, Any], whole: bool, client_state: Any = None) -> Dict[str, Any]:
+    """The layer-keyed form's `meta.pt` (from the rank of stage 0, replica 0)."""
+    return {"format": FORMAT, "version": VERSION, "plan": plan_of(engine), "world_size": dist.get_world_size(),
+            "num_layers": int(internals.num_layers(engine.module)),
+            "replicas": engine.grid.get_data_parallel_world_size(), "replicas_differ": whole,
+            "global": global_state(engine), "pdv": pdv, "client_state": client_state,
+            "precision": {"bf16": bool(engine.bfloat16_enabled()), "fp16": bool(engine.fp16_enabled()),
+                          "zero_stage": int(engine.zero_optimization_stage())}}
+
+
+def save_layer_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: Any = None) -> int:
+    """Write the layer-keyed form of `engine`'s state (collective: every rank calls it after DeepSpeed's
+    save_checkpoint). Returns the bytes this rank wrote."""
+    tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    out = layer_dir(save_dir, tag)
+    by_layer, pdv, whole = stage_layer_entries(engine)
     written = 0
-    if dp_id == 0:
+    if engine.grid.get_data_parallel_id() == 0:
         os.makedirs(out, exist_ok=True)
-        module = engine.module
-        start, stop = module.parts[engine.stage_id], module.parts[engine.stage_id + 1]
-        by_layer: Dict[int, Dict[str, Any]] = {}
-        for name, st in states.items():
-            entry = {"tensors": st.tensors(), "scalars": st.scalars(),
-                     "replicas": [None] + [r.get(name) for r in replicas[1:]]}
-            for layer in layers_of(module, name):
-                if start <= layer < stop:
-                    by_layer.setdefault(layer, {})[name] = entry
         for layer, entries in sorted(by_layer.items()):
             written += save_plain(entries, os.path.join(out, f"layer_{layer:02d}.pt"), f"layer {layer}")
     if current_mapping(engine.module)[0][0] == engine.global_rank:
-        meta = {"format": FORMAT, "version": VERSION, "plan": plan_of(engine), "world_size": dist.get_world_size(),
-                "num_layers": int(internals.num_layers(engine.module)), "replicas": dp_size, "replicas_differ": whole,
-                "global": global_state(engine), "pdv": pdv, "client_state": client_state,
-                "precision": {"bf16": bool(engine.bfloat16_enabled()), "fp16": bool(engine.fp16_enabled()),
-                              "zero_stage": int(engine.zero_optimization_stage())}}
         os.makedirs(out, exist_ok=True)
-        written += save_plain(meta, os.path.join(out, "meta.pt"), "meta")
+        written += save_plain(meta_of(engine, pdv, whole, client_state), os.path.join(out, "meta.pt"), "meta")
     return written
 
 

@@ -26,6 +26,7 @@ from . import internals
 from .checkpoint import (CheckpointNotFound, load_layer_checkpoint, missing_checkpoint, plan_of, read_meta,
                          save_layer_checkpoint)
 from .glue import begin_step, build_glue
+from .snapshots import Snapshots, shared_rendezvous_store
 from .pdv_state import load_state, save_state
 from .move import move_engine
 from .runtime import EngineRuntime, runtime_of
@@ -231,6 +232,8 @@ class PDVPipelineEngine(internals.EngineSeam):
         install_fault_hooks(self)
         self._check_release()
         self.pdv_policy = build_glue(self, carried=pdv_glue)  # pdv.policy (a move carries its glue over)
+        # pdv.snapshots: the state in host memory every few steps, for a restart on the survivors
+        self.pdv_snapshots = Snapshots(self.pdv_config.snapshots) if self.pdv_config.snapshots else None
         self._check_takeover_once()  # the hooks now exist: can `mean` under ZeRO-1 hand them the gradients?
 
     def _check_release(self) -> None:
@@ -475,7 +478,16 @@ class PDVPipelineEngine(internals.EngineSeam):
         loss = super().train_batch(data_iter=data_iter)
         if glue is not None:  # metrics, then the policies' actions, at this step boundary on every rank
             glue.end(loss)
+        if self.pdv_snapshots is not None and self.pdv_snapshots.due(self):
+            self.pdv_snapshots.take(self)
         return loss
+
+    def resume_from_snapshots(self) -> Optional[int]:
+        """Restore the newest complete in-memory snapshot of this job (collective; `pdv.snapshots`), under this
+        engine's plan whatever the plan that wrote it. Returns its step, None when there is none."""
+        if self.pdv_snapshots is None:
+            raise ConfigError(["resume_from_snapshots: pdv.snapshots is not set in the config"])
+        return self.pdv_snapshots.resume(self)
 
     def move_to(self, boundaries: Sequence[int], rank_mapping: Sequence[Sequence[int]], **kwargs: Any) -> Any:
         """Move this running pipeline to new stage boundaries and rank placement, in these processes
@@ -654,6 +666,15 @@ def initialize(args: Any = None,
     runtime_of(engine).build = {"args": args, "optimizer": optimizer, "model_parameters": model_parameters,
                                 "training_data": training_data, "lr_scheduler": lr_scheduler,
                                 "collate_fn": collate_fn, "dist_init_required": dist_init_required, "config": ds_config}
+    if pdv_cfg.snapshots is not None and engine.global_rank == 0 and shared_rendezvous_store():
+        logger.warning("pdv.snapshots: torchrun shares one rendezvous store across restarts, where the restarted "
+                       "workers find the last attempt's process-group addresses and fail to connect; launch "
+                       "torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/recovery.md)")
+    if pdv_cfg.snapshots is not None and pdv_cfg.snapshots.resumes():  # torchrun restarted us: go on
+        step = engine.resume_from_snapshots()
+        if engine.global_rank == 0:
+            logger.info(f"resumed from the in-memory snapshot of step {step}" if step is not None else
+                        "no in-memory snapshot of this job: starting from scratch")
     from .summary import log_startup  # rank 0 logs what pdv_ext set up (one small collective)
     log_startup(engine, pdv_cfg)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -1,0 +1,197 @@
+"""In-memory snapshots of a running pipeline, and the resume from them under the survivors' plan (issue #37).
+
+A snapshot is the layer-keyed checkpoint form (checkpoint.py: one file per layer, `meta.pt`) written into each
+host's memory (`recovery.HostStore`) instead of a disk folder, so any plan over the same layers loads it:
+
+- every stage's layer files go to each host that runs one of its replicas (written by the replica with the
+  lowest data-parallel index there); a stage whose replicas all run on one host sends its files to a rank
+  on the next host as well (the hosts in name order, cyclically): with two hosts or more, every layer is on
+  two. `meta.pt` is written on every host.
+- a rank seals what it wrote; a step counts only when sealed and whole (a rank killed mid-snapshot leaves
+  an incomplete step, never a wrong one); after every rank is done the older steps are dropped (`keep`).
+
+`resume(engine, store)` (collective, at start-up): the hosts' listings are gathered, the newest step whose
+files are all somewhere among them is chosen, each rank fetches the files of its stage it lacks from a rank
+that has them (checked against their sha256), and the layer-keyed loader restores them into this engine,
+whatever its plan. Nothing left that covers every layer: one `SnapshotLost` error naming the lost files.
+"""
+from __future__ import annotations
+
+import io
+import os
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ...recovery.store import HostStore, SnapshotLost, missing_files, newest_complete, tag_of
+from .checkpoint import load_layer_checkpoint, meta_of, stage_layer_entries
+from .safe_io import check_plain
+from .topology import current_mapping
+
+
+def shared_rendezvous_store() -> bool:
+    """Whether torchrun runs these workers on its shared rendezvous store (TORCHELASTIC_USE_AGENT_STORE, unless
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): the store outlives a restart, and the restarted workers read the
+    last attempt's gloo / NCCL addresses from it (seen with torch 2.13: "connectFullMesh failed ... Connection
+    refused" to the dead workers' ports)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and \
+        os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1"
+
+
+def _bytes(obj: Any, what: str) -> bytes:
+    check_plain(obj, what)
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _hosts(store: HostStore) -> List[str]:
+    """Every rank's host, by global rank (one small all-gather)."""
+    hosts: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, store.host)
+    return [str(h) for h in hosts]
+
+
+def _send(data: bytes, dst: int) -> None:
+    dist.send(torch.tensor([len(data)], dtype=torch.int64), dst)
+    if data:
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst)
+
+
+def _recv(src: int) -> bytes:
+    n = torch.empty(1, dtype=torch.int64)
+    dist.recv(n, src)
+    buf = torch.empty(int(n.item()), dtype=torch.uint8)
+    if buf.numel():
+        dist.recv(buf, src)
+    return buf.numpy().tobytes()
+
+
+def plan_writers(mapping: List[List[int]], hosts: List[str]) -> Tuple[Dict[int, List[int]], Dict[int, Tuple[int, int]]]:
+    """({stage: ranks that write its layer files on their own host}, {stage: (sender, receiver)} for a stage whose
+    replicas all run on one host: its replica-0 rank sends the files to the lowest rank of the next host)."""
+    names = sorted(set(hosts))
+    writers: Dict[int, List[int]] = {}
+    buddies: Dict[int, Tuple[int, int]] = {}
+    for s, ranks in enumerate(mapping):
+        seen: Dict[str, int] = {}
+        for r in ranks:  # data-parallel order: the lowest replica on each host writes there
+            seen.setdefault(hosts[r], r)
+        writers[s] = list(seen.values())
+        if len(seen) == 1 and len(names) > 1:
+            nxt = names[(names.index(hosts[ranks[0]]) + 1) % len(names)]
+            buddies[s] = (ranks[0], min(r for r, h in enumerate(hosts) if h == nxt))
+    return writers, buddies
+
+
+class Snapshots:
+    """A job's snapshots as this rank sees them (`engine.pdv_snapshots`): `take(engine)` after a step,
+    `resume(engine)` at start-up. Holds no engine (a move swaps the engine's state for a new one's)."""
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+        self.store = HostStore(cfg.root, cfg.job_name())
+        self.hosts = _hosts(self.store)  # collective: every rank builds its engine at once
+        self.last: Dict[str, float] = {}
+
+    def due(self, engine: Any) -> bool:
+        return engine.global_steps > 0 and engine.global_steps % self.cfg.every == 0
+
+    def _host_leader(self, rank: int) -> bool:
+        return rank == min(r for r, h in enumerate(self.hosts) if h == self.store.host)
+
+    def take(self, eng: Any) -> Dict[str, float]:
+        """Snapshot the engine's state at its current step (collective). Returns this rank's figures
+        (seconds, bytes written)."""
+        store = self.store
+        t0 = time.perf_counter()
+        step, rank = int(eng.global_steps), int(eng.global_rank)
+        mapping = current_mapping(eng.module)
+        by_layer, pdv, whole = stage_layer_entries(eng)
+        layers: List[Any] = [None] * dist.get_world_size()  # every layer file a complete step has
+        dist.all_gather_object(layers, sorted(by_layer))
+        expected = {f"layer_{i:02d}.pt" for ls in layers for i in ls} | {"meta.pt"}
+        meta: List[Any] = [meta_of(eng, pdv, whole) if mapping[0][0] == rank else None]
+        dist.broadcast_object_list(meta, src=mapping[0][0])
+        writers, buddies = plan_writers(mapping, self.hosts)
+        sealed: Dict[str, Dict[str, object]] = {}
+        files = {f"layer_{i:02d}.pt": _bytes(e, f"layer {i}") for i, e in sorted(by_layer.items())}
+        if rank in writers[eng.stage_id]:
+            for name, data in files.items():
+                sealed[name] = store.write(step, name, data)
+        if self._host_leader(rank):  # meta on every host
+            sealed["meta.pt"] = store.write(step, "meta.pt", _bytes(meta[0], "meta"))
+        for s, (src, dst) in sorted(buddies.items()):  # the same order on every rank: no send waits on another
+            if rank == src:
+                for name in sorted(files):
+                    _send(name.encode(), dst)
+                    _send(files[name], dst)
+                _send(b"", dst)
+            elif rank == dst:
+                while True:
+                    name = _recv(src).decode()
+                    if not name:
+                        break
+                    sealed[name] = store.write(step, name, _recv(src))
+        if sealed:
+            store.seal(step, rank, sealed, expected)
+        dist.barrier()  # every rank sealed this step: the older ones can go
+        if self._host_leader(rank):
+            store.prune(self.cfg.keep)
+        self.last = {"seconds": time.perf_counter() - t0, "bytes": float(sum(int(e["bytes"]) for e in sealed.values()))}
+        return self.last
+
+    def resume(self, eng: Any) -> Optional[int]:
+        """Restore the newest step every file of which survives on some host into `eng` (collective, any plan
+        over the same layers). Returns the step, None when no host has any snapshot of this job."""
+        store = self.store
+        rank = int(eng.global_rank)
+        listings: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(listings, (store.host, store.complete()))
+        by_host = {h: lst for h, lst in listings}
+        if not any(by_host.values()):
+            return None
+        step = newest_complete(by_host)
+        if step is None:
+            lost = missing_files(by_host)
+            newest = max(lost)
+            raise SnapshotLost([f"snapshots: no step survives whole on the hosts left ({', '.join(sorted(by_host))}); "
+                                f"the newest, step {newest}, lost {', '.join(lost[newest])}: resume from your newest "
+                                f"disk checkpoint (engine.load_checkpoint)"])
+        module = eng.module
+        start, stop = module.parts[eng.stage_id], module.parts[eng.stage_id + 1]
+        need_by_rank: List[Any] = [None] * dist.get_world_size()
+        mine = {"meta.pt"} | {f"layer_{i:02d}.pt" for i in range(start, stop)}
+        dist.all_gather_object(need_by_rank, sorted(mine))
+        holders: Dict[str, List[int]] = {}  # file -> ranks whose host has it, lowest first
+        shas: Dict[str, str] = {}
+        for r, (h, lst) in enumerate(listings):
+            for name, sha in (lst.get(step) or {}).get("files", {}).items():
+                holders.setdefault(name, []).append(r)
+                shas.setdefault(name, sha)
+        local = set((store.complete().get(step) or {}).get("files", {}))
+        for r in range(dist.get_world_size()):  # fetch what each rank's host lacks, in one global order
+            host_r = listings[r][0]
+            have_r = set((by_host.get(host_r, {}).get(step) or {}).get("files", {}))
+            for name in need_by_rank[r]:
+                if name in have_r or name not in holders:
+                    continue
+                src = holders[name][0]
+                if rank == src:
+                    _send(store.read(step, name, shas[name]), r)
+                elif rank == r:
+                    data = _recv(src)
+                    if name not in local:
+                        entry = store.write(step, name, data)
+                        if entry["sha256"] != shas[name]:
+                            raise SnapshotLost([f"snapshots: {name} of step {step} arrived damaged from rank {src}"])
+                        store.seal(step, rank, {name: entry}, [], label=f"-fetched-{name}")
+                        local.add(name)
+        files = (store.complete().get(step) or {}).get("files", {})
+        for name in sorted(mine & set(files)):  # what this rank will load: checked before the loader reads it
+            store.read(step, name, files[name])
+        load_layer_checkpoint(eng, store.base, tag_of(step))
+        dist.barrier()
+        return step

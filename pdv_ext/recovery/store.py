@@ -1,0 +1,180 @@
+"""A host's snapshots: files in host memory, each written whole or not at all, counted only once sealed.
+
+Layout (one folder per host, so a lost host takes exactly its own copies with it):
+
+    <root>/<job>/<host>/step00000042/pdv_layers/layer_03.pt     the layer-keyed checkpoint form
+    <root>/<job>/<host>/step00000042/pdv_layers/meta.pt         (integrations/deepspeed/checkpoint.py)
+    <root>/<job>/<host>/step00000042/sealed-rank00005.json      what rank 5 wrote there: name -> sha256, bytes
+    <root>/<job>/<host>/step00000042/sealed-rank00001-fetched.json  files a resume fetched from another host
+
+A file is written under a temporary name and renamed (a reader never sees half of it); a writer seals its
+files of a step after all of them are in place, and the seal lists the files a complete step has
+(`expected`). `complete()` counts a file only when a seal names it with the size it has; `read()` checks
+its sha256. A rank killed while writing leaves files no seal names, or a seal that is not there yet: the
+step is then incomplete on that host, never wrong.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+from typing import Dict, Iterable, List, Optional
+
+from ..config_base import ConfigError
+
+SUBDIR = "pdv_layers"  # as integrations/deepspeed/checkpoint.py's layer-keyed form
+_STEP = re.compile(r"^step(\d{8})$")
+_SEAL = re.compile(r"^sealed-[\w.-]+\.json$")
+
+
+class SnapshotLost(ConfigError):
+    """No step has every file on the hosts that are left (or a copy read back is damaged). A ConfigError:
+    uncaught, its lines once under `heading` and exit 2 (user_errors.py)."""
+
+    heading = "pdv_ext: the in-memory snapshots cannot restore this job:"
+
+    def __init__(self, errors: List[str]):
+        super().__init__(errors)
+        self.args = ("\n".join(self.errors),)
+
+
+def host_name() -> str:
+    """This process's host: PDV_HOST (the emulator sets it per emulated host), else the machine's name."""
+    return os.environ.get("PDV_HOST") or socket.gethostname()
+
+
+def tag_of(step: int) -> str:
+    return f"step{int(step):08d}"
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class HostStore:
+    """This host's snapshots of one job (`root/job/host`)."""
+
+    def __init__(self, root: str, job: str, host: Optional[str] = None):
+        self.host = host or host_name()
+        self.base = os.path.join(root, job, self.host)  # load_layer_checkpoint(engine, base, tag) reads here
+
+    # -- writing -----------------------------------------------------------------------------------------
+    def folder(self, step: int) -> str:
+        return os.path.join(self.base, tag_of(step), SUBDIR)
+
+    def write(self, step: int, name: str, data: bytes) -> Dict[str, object]:
+        """Write one file of `step` (through a temporary name); returns its seal entry."""
+        folder = self.folder(step)
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, name)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        return {"sha256": digest(data), "bytes": len(data)}
+
+    def seal(self, step: int, rank: int, files: Dict[str, Dict[str, object]], expected: Iterable[str],
+             label: str = "") -> None:
+        """Record that `rank` wrote `files` (name -> seal entry) of `step` whole; `expected` names every file
+        a complete step has (on some host). One seal per rank and `label` (a resume's fetched files seal
+        under their own label, beside what an earlier rank of that number wrote)."""
+        path = os.path.join(self.base, tag_of(step), f"sealed-rank{int(rank):05d}{label}.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"step": int(step), "rank": int(rank), "files": files, "expected": sorted(expected)}, f)
+        os.replace(tmp, path)
+
+    def prune(self, keep: int) -> List[int]:
+        """Drop all but the newest `keep` steps that have a seal (and any older unsealed leftovers);
+        returns the steps dropped. Called after a snapshot every rank finished."""
+        steps = self.steps()
+        sealed = [s for s in steps if self._seals(s)]
+        keep_from = sealed[-keep] if len(sealed) >= keep else (sealed[0] if sealed else None)
+        dropped = [s for s in steps if keep_from is not None and s < keep_from]
+        for s in dropped:
+            shutil.rmtree(os.path.join(self.base, tag_of(s)), ignore_errors=True)
+        return dropped
+
+    # -- reading -----------------------------------------------------------------------------------------
+    def steps(self) -> List[int]:
+        try:
+            names = os.listdir(self.base)
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for m in map(_STEP.match, names) if m)
+
+    def _seals(self, step: int) -> List[dict]:
+        folder = os.path.join(self.base, tag_of(step))
+        out = []
+        try:
+            names = sorted(os.listdir(folder))
+        except FileNotFoundError:
+            return []
+        for name in names:
+            if _SEAL.match(name):
+                try:
+                    with open(os.path.join(folder, name), encoding="utf-8") as f:
+                        out.append(json.load(f))
+                except (OSError, ValueError):  # a seal is renamed into place whole; anything else is not one
+                    continue
+        return out
+
+    def complete(self) -> Dict[int, Dict[str, object]]:
+        """{step: {"files": {name: sha256} sealed and present at their sealed size, "expected": [...]}}."""
+        out: Dict[int, Dict[str, object]] = {}
+        for step in self.steps():
+            files: Dict[str, str] = {}
+            expected: List[str] = []
+            for seal in self._seals(step):
+                expected = seal.get("expected") or expected
+                for name, entry in seal.get("files", {}).items():
+                    path = os.path.join(self.folder(step), name)
+                    if os.path.isfile(path) and os.path.getsize(path) == int(entry["bytes"]):
+                        files[name] = str(entry["sha256"])
+            if files:
+                out[step] = {"files": files, "expected": list(expected)}
+        return out
+
+    def read(self, step: int, name: str, sha256: str) -> bytes:
+        """The bytes of a sealed file, checked against its sha256."""
+        path = os.path.join(self.folder(step), name)
+        with open(path, "rb") as f:
+            data = f.read()
+        if digest(data) != sha256:
+            raise SnapshotLost([f"snapshot {path}: damaged (its sha256 differs from the seal's); not loaded"])
+        return data
+
+
+def newest_complete(listings: Dict[str, Dict[int, Dict[str, object]]]) -> Optional[int]:
+    """The newest step whose expected files are all present on some host of `listings`
+    ({host: HostStore.complete()})."""
+    best = None
+    for step in sorted({s for lst in listings.values() for s in lst}):
+        expected = set()
+        have = set()
+        for lst in listings.values():
+            entry = lst.get(step)
+            if entry:
+                expected |= set(entry["expected"])
+                have |= set(entry["files"])
+        if expected and expected <= have:
+            best = step
+    return best
+
+
+def missing_files(listings: Dict[str, Dict[int, Dict[str, object]]]) -> Dict[int, List[str]]:
+    """{step: files expected but on no host}, for the error that names what was lost."""
+    out: Dict[int, List[str]] = {}
+    for step in sorted({s for lst in listings.values() for s in lst}):
+        expected, have = set(), set()
+        for lst in listings.values():
+            entry = lst.get(step)
+            if entry:
+                expected |= set(entry["expected"])
+                have |= set(entry["files"])
+        out[step] = sorted(expected - have)
+    return out

@@ -1,0 +1,51 @@
+"""Rank-side functions for the in-memory snapshot tests (run through pdv_ext.spawn.run_ranks)."""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List
+
+import torch.distributed as dist
+
+from tests.integration.move_workers import build, train, whole_state
+
+
+def _config(root: str, job: str, every: int = 1) -> Dict[str, Any]:
+    return {"snapshots": {"root": root, "job": job, "every": every, "keep": 2, "resume": False}}
+
+
+def before_loss(mode: str, plan: Dict[str, Any], hosts: List[str], root: str, job: str, ckpt: str,
+                k: int) -> Dict[str, Any]:
+    """Ranks on `hosts` (by rank) train k steps under `plan`, a snapshot after each, and write a disk checkpoint
+    ("k") at the end: the reference a resume must equal."""
+    os.environ["PDV_HOST"] = hosts[int(os.environ["RANK"])]
+    eng, data = build(mode, plan, _config(root, job))
+    out = {"first": train(eng, data, k)}
+    eng.save_checkpoint(ckpt, tag="k")
+    out["state_k"] = whole_state(eng)
+    out["snapshot"] = dict(eng.pdv_snapshots.last)
+    out["step"] = int(eng.global_steps)
+    return out
+
+
+def after_loss(mode: str, plan: Dict[str, Any], hosts: List[str], root: str, job: str, ckpt: str, n: int,
+               expect_error: bool = False) -> Dict[str, Any]:
+    """On the survivors (`hosts` by rank) under `plan`: resume from the snapshots and train n steps; then a
+    fresh engine under the same plan loads the disk checkpoint "k" and trains n steps (the reference)."""
+    from pdv_ext.config_base import ConfigError
+
+    os.environ["PDV_HOST"] = hosts[int(os.environ["RANK"])]
+    eng, data = build(mode, plan, _config(root, job))
+    out: Dict[str, Any] = {}
+    try:
+        out["resumed_step"] = eng.resume_from_snapshots()
+    except ConfigError as exc:
+        out["error"] = str(exc)
+        return out
+    out["resumed_state"] = whole_state(eng)
+    out["resumed"] = train(eng, data, n)
+    del eng
+    eng, data = build(mode, plan, None)
+    eng.load_checkpoint(ckpt, tag="k")
+    out["reference_state"] = whole_state(eng)
+    out["reference"] = train(eng, data, n)
+    return out

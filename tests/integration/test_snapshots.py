@@ -1,0 +1,66 @@
+"""In-memory snapshots (issue #37): a pipe 2 x data 2 job over two hosts loses one host; the survivors resume
+under pipe 2 x data 1 from what is left in host memory, and train exactly as a restart from a disk checkpoint
+of the same step under the same new plan does (bit for bit in fp32)."""
+import os
+import shutil
+
+import pytest
+
+from pdv_ext.spawn import run_ranks
+
+pytestmark = [pytest.mark.integration]
+
+PIPE2x2 = {"boundaries": [0, 4, 8], "rank_mapping": [[0, 1], [2, 3]]}
+PIPE2 = {"boundaries": [0, 4, 8], "rank_mapping": [[0], [1]]}
+
+
+def _run(fn, ranks, **kw):
+    return run_ranks(f"tests.integration.snapshot_workers:{fn}", ranks, kw, timeout=240)
+
+
+def _same(a, b):
+    import torch
+
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].keys() == b[name].keys(), name
+        for k in a[name]:
+            assert torch.equal(a[name][k], b[name][k]), (name, k)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("layout", ["stage_per_host", "replica_per_host"])
+def test_lost_host_resumes_on_survivors(tmp_path, layout):
+    """stage_per_host: each stage's two replicas on one host (hostA: stage 0, hostB: stage 1), so stage 1's
+    layers survive only through the copy sent to hostA; replica_per_host: each host runs one replica of each
+    stage. Host B's memory is then wiped (its copies gone with it) and the two survivors on host A resume."""
+    root, ckpt = str(tmp_path / "shm"), str(tmp_path / "ckpt")
+    hosts = ["hostA", "hostA", "hostB", "hostB"] if layout == "stage_per_host" else ["hostA", "hostB", "hostA", "hostB"]
+    before = _run("before_loss", 4, mode="fp32", plan=PIPE2x2, hosts=hosts, root=root, job="j", ckpt=ckpt, k=3)
+    assert all(r["step"] == 3 for r in before)
+    kept = sorted(os.listdir(os.path.join(root, "j", "hostA")))
+    assert kept == ["step00000002", "step00000003"], kept  # keep: 2
+    shutil.rmtree(os.path.join(root, "j", "hostB"))  # host B is lost, and its memory with it
+    after = _run("after_loss", 2, mode="fp32", plan=PIPE2, hosts=["hostA", "hostA"], root=root, job="j", ckpt=ckpt,
+                 n=3)
+    for r in after:
+        assert r.get("error") is None, r.get("error")
+        assert r["resumed_step"] == 3
+        _same(r["resumed_state"], r["reference_state"])
+        assert r["resumed"] == r["reference"], (r["resumed"], r["reference"])  # bit for bit (fp32)
+
+
+@pytest.mark.timeout(420)
+def test_both_copies_lost_names_the_layers(tmp_path):
+    """Stage 1's layers lived on host B and, as a copy, on host A: with both gone, one error names the lost
+    files and points to the disk checkpoint; nothing is loaded."""
+    root, ckpt = str(tmp_path / "shm"), str(tmp_path / "ckpt")
+    hosts = ["hostA", "hostA", "hostB", "hostB"]
+    _run("before_loss", 4, mode="fp32", plan=PIPE2x2, hosts=hosts, root=root, job="j", ckpt=ckpt, k=2)
+    shutil.rmtree(os.path.join(root, "j", "hostB"))
+    for step in os.listdir(os.path.join(root, "j", "hostA")):  # host A's copy of layer 5 gone too
+        os.remove(os.path.join(root, "j", "hostA", step, "pdv_layers", "layer_05.pt"))
+    after = _run("after_loss", 2, mode="fp32", plan=PIPE2, hosts=["hostA", "hostA"], root=root, job="j", ckpt=ckpt,
+                 n=1)
+    for r in after:
+        assert "layer_05.pt" in r["error"] and "disk checkpoint" in r["error"], r

@@ -1,0 +1,40 @@
+"""A training job for torchrun (tests/integration/test_torchrun_recovery.py): pipe 2 x data 2 on 4 workers with
+in-memory snapshots after every step. With --crash-at S, worker --crash-rank exits abruptly right after step S in
+the job's first attempt (torchrun's TORCHELASTIC_RESTART_COUNT = 0), as a process on a lost device would; the
+agent restarts every worker, and pdv's start-up resumes from the snapshots (`resume: auto`). Each worker appends
+one JSON line per step to --out/rank<R>.jsonl: attempt, step, loss."""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from tests.integration.move_workers import build  # noqa: E402
+
+PIPE2x2 = {"boundaries": [0, 4, 8], "rank_mapping": [[0, 1], [2, 3]]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shm", required=True)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--crash-at", type=int, default=-1)
+    ap.add_argument("--crash-rank", type=int, default=2)
+    args = ap.parse_args()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank = int(os.environ["RANK"])
+    eng, data = build("fp32", PIPE2x2, {"snapshots": {"root": args.shm, "job": "torchrun-test", "every": 1}})
+    with open(os.path.join(args.out, f"rank{rank}.jsonl"), "a", encoding="utf-8") as log:
+        log.write(json.dumps({"attempt": attempt, "start": int(eng.global_steps)}) + "\n")
+        while eng.global_steps < args.steps:
+            loss = float(eng.train_batch(data_iter=data))
+            log.write(json.dumps({"attempt": attempt, "step": int(eng.global_steps), "loss": loss}) + "\n")
+            log.flush()
+            if attempt == 0 and rank == args.crash_rank and eng.global_steps == args.crash_at:
+                os._exit(17)  # no clean-up, no goodbye: the device is gone
+
+
+if __name__ == "__main__":
+    main()
