@@ -126,6 +126,13 @@ class ByteWindows:
         self.position += 1
         return out
 
+    def state_dict(self) -> dict:
+        """What a checkpoint or snapshot keeps of the stream (pdv's state: engine.data_iterator)."""
+        return {"position": int(self.position)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
 
 def text_splits(held_out: float = 0.1) -> Tuple[bytes, bytes]:
     """(train, held-out) byte strings: the last `held_out` fraction of the text is held out."""

@@ -11,9 +11,14 @@ The timed steps are split over two rounds with fresh engines, built vanilla-then
 pdv-then-vanilla in the second: under ZeRO-1 the engine built second ran 2-5% slower whichever it was
 (measured with bf16 + ZeRO-1: 1.05 / 1.00 vanilla first, 0.94 / 0.98 pdv first), which one fixed order
 would charge to one side. Each round restarts from the same seed; every step's loss is compared.
+
+`--snapshots EVERY`: pdv's engine also writes an in-memory snapshot every EVERY steps (`pdv.snapshots`,
+docs/recovery.md), so `ratio` - 1 is what they cost over vanilla DeepSpeed (with `mean` alone the ratio is
+within 1% of 1); `snapshot_ms` is the median time of a snapshot on the slowest rank.
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Dict, List, Optional
 
@@ -35,7 +40,7 @@ from .common import check_ranges, emit, log, median, parser
 
 def _rank(steps: int, warmup: int, layers: int, hidden: int, stages: int, micro_batch: int, grad_acc: int,
           seed: int, precision: str = "fp32", zero: int = 0, grad_accum_dtype: Optional[str] = None,
-          rounds: int = 1) -> Dict[str, Any]:
+          rounds: int = 1, snapshots: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     import gc
     import time
 
@@ -65,11 +70,12 @@ def _rank(steps: int, warmup: int, layers: int, hidden: int, stages: int, micro_
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
                **mode_config(precision, zero, grad_accum_dtype)}
         if init is pdv_ext.initialize:
-            cfg["pdv"] = {"aggregation": {"type": "mean"}}
+            cfg["pdv"] = {"aggregation": {"type": "mean"}, **({"snapshots": snapshots} if snapshots else {})}
         engine = init(model=model, config=cfg, model_parameters=[p for p in model.parameters()])[0]
         return engine, batches(synthetic_batches(64, 10, micro_batch, seed=seed + engine.grid.get_data_parallel_id()))
 
     times: Dict[str, List[float]] = {"vanilla": [], "pdv": []}
+    snapshot_s: List[float] = []
     losses: Dict[str, List[float]] = {"vanilla": [], "pdv": []}
     same_weights, info = True, {}
     per_round = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
@@ -89,6 +95,8 @@ def _rank(steps: int, warmup: int, layers: int, hidden: int, stages: int, micro_
                 dt = time.perf_counter() - t0
                 if i >= warmup:
                     times[name].append(dt)
+                    if name == "pdv" and getattr(eng, "pdv_snapshots", None) is not None:
+                        snapshot_s.append(eng.pdv_snapshots.last.get("seconds", 0.0))
                 losses[name].append(float(loss))
         vanilla, pdv = built["vanilla"][0], built["pdv"][0]
         same_weights = same_weights and all(torch.equal(a, b) for a, b in zip(vanilla.module.parameters(),
@@ -97,7 +105,7 @@ def _rank(steps: int, warmup: int, layers: int, hidden: int, stages: int, micro_
                 "reduce_mode": getattr(pdv, "reduce_mode", None)}
         del built, vanilla, pdv, eng
         gc.collect()
-    return {"times": times, "losses": losses, "same_weights": same_weights, **info}
+    return {"times": times, "losses": losses, "same_weights": same_weights, "snapshot_s": snapshot_s, **info}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -119,6 +127,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--grad-accum-dtype", choices=("fp32", "bf16", "fp16"), default=None,
                     help="data_types.grad_accum_dtype (default: DeepSpeed's, the weights' dtype); bf16 + --zero 1 + "
                          "fp32 runs DeepSpeed's BF16_Optimizer instead of its ZeRO optimizer")
+    ap.add_argument("--snapshots", type=int, default=0, metavar="EVERY",
+                    help="pdv's engine also takes an in-memory snapshot every EVERY steps (pdv.snapshots, into a "
+                         "temporary folder in host memory): `ratio` then includes their cost (default 0: none)")
     ap.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
     ap.add_argument("--timeout", type=float, default=900)
     args = ap.parse_args(argv)
@@ -126,7 +137,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.steps, args.warmup, args.layers, args.hidden = 4, 1, 6, 32
     check_ranges(ap, args, {"--steps": 1, "--warmup": 0, "--rounds": 1, "--ranks": 1, "--stages": 1, "--layers": 2,
                             "--hidden": 1,
-                            "--micro-batch": 1, "--grad-acc": 1}, ["--timeout"])
+                            "--micro-batch": 1, "--grad-acc": 1, "--snapshots": 0}, ["--timeout"])
     if args.ranks % args.stages:  # DeepSpeed's pipeline grid: stages x data-parallel replicas
         ap.error(f"--stages ({args.stages}) must divide --ranks ({args.ranks})")
     if args.precision == "fp16":  # the ranks run on CPU (gloo): DeepSpeed refuses fp16 there
@@ -136,19 +147,37 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     log(f"[bench engine] {args.ranks} ranks, {args.stages} stages, {args.layers} layers x {args.hidden}, "
         f"{args.precision}, ZeRO stage {args.zero}, {args.steps} timed steps per engine (alternating)")
-    res = run_ranks("pdv_ext.bench.engine:_rank", args.ranks,
-                    dict(steps=args.steps, warmup=args.warmup, layers=args.layers, hidden=args.hidden,
-                         stages=args.stages, micro_batch=args.micro_batch, grad_acc=args.grad_acc, seed=1234,
-                         precision=args.precision, zero=args.zero, grad_accum_dtype=args.grad_accum_dtype,
-                         rounds=args.rounds),
-                    timeout=args.timeout)
+    snapshots, tmp = None, None
+    if args.snapshots:
+        import shutil
+        import tempfile
+
+        from ..recovery.config import default_root
+
+        os.makedirs(default_root(), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix="bench-engine-", dir=default_root())
+        snapshots = {"every": args.snapshots, "root": tmp, "job": "bench", "resume": False}
+    try:
+        res = run_ranks("pdv_ext.bench.engine:_rank", args.ranks,
+                        dict(steps=args.steps, warmup=args.warmup, layers=args.layers, hidden=args.hidden,
+                             stages=args.stages, micro_batch=args.micro_batch, grad_acc=args.grad_acc, seed=1234,
+                             precision=args.precision, zero=args.zero, grad_accum_dtype=args.grad_accum_dtype,
+                             rounds=args.rounds, snapshots=snapshots),
+                        timeout=args.timeout)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     # a step's time is the slowest rank's
     step = {k: [max(r["times"][k][i] for r in res) for i in range(len(res[0]["times"][k]))] for k in ("vanilla", "pdv")}
     vanilla_ms, pdv_ms = median(step["vanilla"]) * 1e3, median(step["pdv"]) * 1e3
     loss_equal = all(r["losses"]["vanilla"] == r["losses"]["pdv"] and r["same_weights"] for r in res)
     emit({"vanilla_ms": round(vanilla_ms, 3), "pdv_ms": round(pdv_ms, 3), "ratio": round(pdv_ms / vanilla_ms, 4),
           "loss_equal": loss_equal, "ranks": args.ranks, "precision": args.precision, "zero": args.zero,
-          "optimizer": res[0]["optimizer"]}, args.json)
+          "optimizer": res[0]["optimizer"],
+          **({"snapshots_every": args.snapshots,
+              "snapshot_ms": round(median([max(r["snapshot_s"][i] for r in res)
+                                           for i in range(len(res[0]["snapshot_s"]))]) * 1e3, 3)}
+             if args.snapshots else {})}, args.json)
     return 0
 
 

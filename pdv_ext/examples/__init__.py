@@ -11,7 +11,7 @@ scenarios, such as `../clusters/emulated_4dev.yaml`, keep working):
     train_horovod.py   the Horovod example (digits classifier, pdv_ext.horovod.DistributedOptimizer)
     my_policy.py       a policy plugin template (PlateauLR)           } `pdv example plugins DIR`, with
     my_aggregator.py   an aggregator plugin template (NormFilteredMean) } configs/my_plugins.json
-    configs/           demo.json, placement.json, horovod.yaml, my_plugins.json
+    configs/           demo.json, placement.json, recovery.json, horovod.yaml, my_plugins.json
     clusters/          cluster YAMLs (emulated_4dev.yaml, emulated_4equal.yaml, homogeneous.yaml, ...)
     scenarios/         `pdv bench adapt` scenarios (cluster + run shape + events)
 
@@ -36,7 +36,7 @@ class Example(NamedTuple):
 EXAMPLES: Dict[str, Example] = {
     "minimal": Example(["minimal.py"], "the complete minimal program of the getting-started page (2 CPU ranks)",
                        "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu deepspeed --num_gpus 2 minimal.py --steps 5"),
-    "train_gpt": Example(["train_gpt.py", "configs/demo.json", "configs/placement.json",
+    "train_gpt": Example(["train_gpt.py", "configs/demo.json", "configs/placement.json", "configs/recovery.json",
                           "clusters/emulated_4dev.yaml"],
                          "the main job: a byte-level GPT as a DeepSpeed pipeline, pipe x data, with its configs",
                          "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu deepspeed --num_gpus 4 train_gpt.py "

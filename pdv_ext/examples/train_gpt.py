@@ -45,6 +45,10 @@ def parse_args():
     ap.add_argument("--out", default="runs/demo", help="folder for metrics.csv and plots")
     ap.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                     help="import this module or .py file first (plug-ins registered by name; repeatable)")
+    ap.add_argument("--crash-at", type=int, default=0, metavar="STEP",
+                    help="simulate a lost device: in the job's first attempt (torchrun's TORCHELASTIC_RESTART_COUNT "
+                         "0) rank --crash-rank exits abruptly after step STEP (docs/recovery.md; default 0: never)")
+    ap.add_argument("--crash-rank", type=int, default=1)
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     ap = deepspeed.add_config_arguments(ap)
     args = ap.parse_args()
@@ -93,10 +97,17 @@ def main() -> None:
               flush=True)
     start = time.perf_counter()
     final = float("nan")
-    mark_step(0)  # under `pdv emulate`, events placed `at_step` count these steps (a no-op elsewhere)
-    for step in range(1, args.steps + 1):
+    first = int(engine.global_steps) + 1  # after a restart resumed from pdv.snapshots, where it left off
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if rank == 0 and first > 1:
+        print(f"[demo] attempt {attempt}: resumed at step {first - 1}", flush=True)
+    mark_step(first - 1)  # under `pdv emulate`, events placed `at_step` count these steps (a no-op elsewhere)
+    for step in range(first, args.steps + 1):
         t0 = time.perf_counter()
         loss = float(engine.train_batch(data_iter=train))
+        if args.crash_at and step == args.crash_at and attempt == 0 and rank == args.crash_rank:
+            print(f"[demo] rank {rank}: simulated loss of this device after step {step}", flush=True)
+            os._exit(17)  # no clean-up, no goodbye: as a process on a lost device
         mark_step(step)
         m = glue.last_metrics if glue is not None else {"step_time": time.perf_counter() - t0}
         eval_loss = None
@@ -112,6 +123,7 @@ def main() -> None:
                   f"{m['step_time'] * 1e3:6.0f} ms/step", flush=True)
     if glue is not None:
         glue.close()
+    engine.discard_snapshots()  # pdv.snapshots: they served restarts; free the hosts' memory
     if rank == 0:
         path = os.path.join(args.out, "metrics.csv")
         print(f"[demo] done in {time.perf_counter() - start:.0f}s: held-out loss {final:.3f} nats/byte "

@@ -1,6 +1,6 @@
 """In-memory snapshots (issue #37): a pipe 2 x data 2 job over two hosts loses one host; the survivors resume
 under pipe 2 x data 1 from what is left in host memory, and train exactly as a restart from a disk checkpoint
-of the same step under the same new plan does (bit for bit in fp32)."""
+of the same step under the same new plan does (bit for bit, in fp32, bf16 and ZeRO-1)."""
 import os
 import shutil
 
@@ -29,25 +29,28 @@ def _same(a, b):
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("layout", ["stage_per_host", "replica_per_host"])
-def test_lost_host_resumes_on_survivors(tmp_path, layout):
+@pytest.mark.parametrize("mode,layout", [("fp32", "stage_per_host"), ("fp32", "replica_per_host"),
+                                         ("bf16", "stage_per_host"), ("zero1", "replica_per_host")])
+def test_lost_host_resumes_on_survivors(tmp_path, mode, layout):
     """stage_per_host: each stage's two replicas on one host (hostA: stage 0, hostB: stage 1), so stage 1's
     layers survive only through the copy sent to hostA; replica_per_host: each host runs one replica of each
-    stage. Host B's memory is then wiped (its copies gone with it) and the two survivors on host A resume."""
+    stage. Host B's memory is then wiped (its copies gone with it) and the two survivors on host A resume.
+    bf16 (BF16_Optimizer's partitioned fp32 masters) and ZeRO-1 (partitioned optimizer state) come back whole
+    and re-cut for the new width."""
     root, ckpt = str(tmp_path / "shm"), str(tmp_path / "ckpt")
     hosts = ["hostA", "hostA", "hostB", "hostB"] if layout == "stage_per_host" else ["hostA", "hostB", "hostA", "hostB"]
-    before = _run("before_loss", 4, mode="fp32", plan=PIPE2x2, hosts=hosts, root=root, job="j", ckpt=ckpt, k=3)
+    before = _run("before_loss", 4, mode=mode, plan=PIPE2x2, hosts=hosts, root=root, job="j", ckpt=ckpt, k=3)
     assert all(r["step"] == 3 for r in before)
     kept = sorted(os.listdir(os.path.join(root, "j", "hostA")))
     assert kept == ["step00000002", "step00000003"], kept  # keep: 2
     shutil.rmtree(os.path.join(root, "j", "hostB"))  # host B is lost, and its memory with it
-    after = _run("after_loss", 2, mode="fp32", plan=PIPE2, hosts=["hostA", "hostA"], root=root, job="j", ckpt=ckpt,
+    after = _run("after_loss", 2, mode=mode, plan=PIPE2, hosts=["hostA", "hostA"], root=root, job="j", ckpt=ckpt,
                  n=3)
     for r in after:
         assert r.get("error") is None, r.get("error")
         assert r["resumed_step"] == 3
         _same(r["resumed_state"], r["reference_state"])
-        assert r["resumed"] == r["reference"], (r["resumed"], r["reference"])  # bit for bit (fp32)
+        assert r["resumed"] == r["reference"], (r["resumed"], r["reference"])  # bit for bit
 
 
 @pytest.mark.timeout(420)

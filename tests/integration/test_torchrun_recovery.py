@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from pdv_ext.spawn import remove_deepspeed_shm
+
 pytestmark = [pytest.mark.integration]
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -38,6 +40,8 @@ def _torchrun(tmp, name, *extra):
     for r in range(4):
         with open(out / f"rank{r}.jsonl", encoding="utf-8") as f:
             logs[r] = [json.loads(line) for line in f]
+    for addr, port in {tuple(e["master"]) for lines in logs.values() for e in lines if "master" in e}:
+        remove_deepspeed_shm(port, addr)  # every attempt's workers are gone
     return logs
 
 
@@ -52,3 +56,4 @@ def test_crashed_worker_resumes_from_snapshots(tmp_path):
         calm = {e["step"]: e["loss"] for e in ref[r] if "step" in e}
         assert sorted(after) == [4, 5, 6]
         assert all(after[s] == calm[s] for s in after), (after, calm)  # no step lost, the same losses
+    assert not os.listdir(tmp_path / "crash-shm"), "the finished job left its snapshots in host memory"

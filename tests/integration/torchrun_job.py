@@ -27,13 +27,15 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     eng, data = build("fp32", PIPE2x2, {"snapshots": {"root": args.shm, "job": "torchrun-test", "every": 1}})
     with open(os.path.join(args.out, f"rank{rank}.jsonl"), "a", encoding="utf-8") as log:
-        log.write(json.dumps({"attempt": attempt, "start": int(eng.global_steps)}) + "\n")
+        log.write(json.dumps({"attempt": attempt, "start": int(eng.global_steps),
+                              "master": [os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])]}) + "\n")
         while eng.global_steps < args.steps:
             loss = float(eng.train_batch(data_iter=data))
             log.write(json.dumps({"attempt": attempt, "step": int(eng.global_steps), "loss": loss}) + "\n")
             log.flush()
             if attempt == 0 and rank == args.crash_rank and eng.global_steps == args.crash_at:
                 os._exit(17)  # no clean-up, no goodbye: the device is gone
+    eng.discard_snapshots()
 
 
 if __name__ == "__main__":

@@ -207,7 +207,8 @@ def test_finds_a_loop_through_a_package_init(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 #: folders that know no engine, no benchmark and no playground (DESIGN.md: "placement and policy never
 #: import integrations or bench"): they meet DeepSpeed and Horovod only through protocols
-LOWER_FLOORS = ("aggregation", "comm", "kernels", "placement", "policy", "config", "config_base", "registry", "log")
+LOWER_FLOORS = ("aggregation", "comm", "kernels", "placement", "policy", "recovery", "config", "config_base", "registry",
+                "log")
 UPPER_FLOORS = ("integrations", "bench", "emulate", "cli", "examples")
 
 

@@ -116,7 +116,7 @@ def smoke(out: str, py: str) -> None:
     os.makedirs(work)
     shutil.copy(SMOKE, work)
     docs = []
-    for page in ("README.md", os.path.join("docs", "getting-started.md")):
+    for page in ("README.md", os.path.join("docs", "getting-started.md"), os.path.join("docs", "recovery.md")):
         docs.append(os.path.basename(page))
         shutil.copy(os.path.join(ROOT, page), work)
     env = outside_env(PATH=os.path.dirname(py) + os.pathsep + os.environ.get("PATH", ""), DS_ACCELERATOR="cpu",

@@ -11,7 +11,7 @@ on the first failure:
 4. two gloo ranks train through `pdv_ext.initialize` with `adasum` (a dense update; replicas end
    bit-identical) and `gossip` (top-k: each step moves at most the two ranks' k entries, the exact sync of
    the last step applies what error feedback held back), losses finite;
-5. the docs' commands from the installed package (README.md and docs/getting-started.md, copied next to
+5. the docs' commands from the installed package (README.md, docs/getting-started.md and docs/recovery.md, copied next to
    this file): `pdv example` copies the shipped examples, `pdv check-config` accepts their configs, the example
    training runs (4 ranks, 20 steps: the demo and the planned placement) and the plugin templates' run (4 ranks, 5 steps) train as the pages say,
    and the getting-started page's minimal program runs on 2 ranks through the deepspeed launcher.
@@ -228,6 +228,10 @@ DOC_COMMANDS = [
     "configs/my_plugins.json --steps 5",
     "pdv example minimal .",
     "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu deepspeed --num_gpus 2 minimal.py --steps 5",
+    # docs/recovery.md: a worker lost after step 10, torchrun restarts the four, they resume from the snapshot
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu torchrun --standalone "
+    "--nproc-per-node=4 \\\n    --max-restarts=2 train_gpt.py --deepspeed_config configs/recovery.json --steps 20 "
+    "--crash-at 10",
 ]
 
 
@@ -242,7 +246,7 @@ def check_docs(pages: List[str], ds_cache: str) -> None:
             cwd = os.path.normpath(os.path.join(cwd, cmd[3:]))
             continue
         env = dict(os.environ)
-        if cmd.startswith("OMP_NUM_THREADS") and ds_cache:
+        if "OMP_NUM_THREADS=1" in cmd and ds_cache:
             env["TORCH_EXTENSIONS_DIR"] = ds_cache  # DeepSpeed's op built once, not minutes in every wheel test
             cmd = cmd.replace("deepspeed --num_gpus", f"deepspeed --master_port {free_port()} --num_gpus")
         t = time.monotonic()
@@ -254,6 +258,10 @@ def check_docs(pages: List[str], ds_cache: str) -> None:
             check("aggregator NormFilteredMean(max_norm=50.0)" in out.stdout + out.stderr
                   and "policies my_policy:PlateauLR(" in out.stdout + out.stderr,
                   "the plugin run named the aggregator and the policy plugins at start-up")
+        if "--crash-at" in cmd:
+            check("simulated loss of this device after step 10" in out.stdout
+                  and "attempt 1: resumed at step 10" in out.stdout and "step   20/20" in out.stdout,
+                  "the torchrun run lost a worker after step 10 and finished from the snapshot of step 10")
         if "minimal.py" in cmd:
             check("step 5 loss" in out.stdout and "aggregator adasum" in out.stdout,
                   "the minimal program trained 5 steps with adasum")

@@ -482,6 +482,12 @@ class PDVPipelineEngine(internals.EngineSeam):
             self.pdv_snapshots.take(self)
         return loss
 
+    def discard_snapshots(self) -> None:
+        """Remove this job's in-memory snapshots on every host (collective): call it when training is done
+        (they only serve restarts, and they hold host memory). A no-op without `pdv.snapshots`."""
+        if self.pdv_snapshots is not None:
+            self.pdv_snapshots.discard(self)
+
     def resume_from_snapshots(self) -> Optional[int]:
         """Restore the newest complete in-memory snapshot of this job (collective; `pdv.snapshots`), under this
         engine's plan whatever the plan that wrote it. Returns its step, None when there is none."""

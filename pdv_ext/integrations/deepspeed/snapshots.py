@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -142,6 +143,18 @@ class Snapshots:
             store.prune(self.cfg.keep)
         self.last = {"seconds": time.perf_counter() - t0, "bytes": float(sum(int(e["bytes"]) for e in sealed.values()))}
         return self.last
+
+    def discard(self, eng: Any) -> None:
+        """Remove this job's snapshots from every host's memory (collective; at the end of training: they are
+        for restarts, and a tmpfs holds them in RAM)."""
+        dist.barrier()
+        if self._host_leader(int(eng.global_rank)):
+            shutil.rmtree(self.store.base, ignore_errors=True)
+            try:
+                os.rmdir(os.path.dirname(self.store.base))  # the job's folder, once no host is left in it
+            except OSError:
+                pass
+        dist.barrier()
 
     def resume(self, eng: Any) -> Optional[int]:
         """Restore the newest step every file of which survives on some host into `eng` (collective, any plan
