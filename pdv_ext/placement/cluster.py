@@ -229,6 +229,31 @@ class Cluster:
                         for dev, t in zip(self.devices, throughputs)]
         return Cluster.from_dict(d, source=source)
 
+    def subset(self, indices: Sequence[int], source: str = "cluster") -> "Cluster":
+        """The cluster of the devices `indices` (in that order: the order of the ranks that run on them), its
+        links unchanged: what is left after devices or hosts were lost."""
+        d = self.to_dict()
+        d.pop("hosts", None)
+        d.pop("events", None)
+        d["devices"] = [self.devices[i].model_dump(exclude_none=True) for i in indices]
+        d["reference_throughput"] = self.reference  # speeds stay relative to the whole cluster's reference
+        return Cluster.from_dict(d, source=source)
+
+    def devices_of(self, hosts: Sequence[str], local_ranks: Sequence[int]) -> Optional[List[int]]:
+        """Which listed device each rank runs on, for ranks on `hosts` with `local_ranks` (rank r: the
+        local_ranks[r]-th device listed for hosts[r]); None when a host is not in the cluster or has fewer
+        devices listed than ranks on it."""
+        by_host: Dict[str, List[int]] = {}
+        for i, dev in enumerate(self.devices):
+            by_host.setdefault(dev.host, []).append(i)
+        out = []
+        for host, lr in zip(hosts, local_ranks):
+            listed = by_host.get(host, [])
+            if not 0 <= lr < len(listed):
+                return None
+            out.append(listed[lr])
+        return out if len(set(out)) == len(out) else None
+
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
             yaml.safe_dump(self.to_dict(), f, sort_keys=False)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Optional, Sequence
+import socket
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from ..config_base import ConfigError
 from .cluster import Cluster
@@ -52,14 +53,25 @@ def load_cluster(path: str, key: str = "pdv.placement.cluster") -> Cluster:
 
 
 def make_plan(module: Any, pl: Any, world_size: int, micro_batches: Optional[int] = None, *,
-              layers: Sequence[Any]) -> Dict[str, Any]:
-    """Rank 0's work: cluster + profile + solver -> plan dict (`layers`: the module's layer specs)."""
+              layers: Sequence[Any], ranks_at: Optional[Sequence[Tuple[str, int]]] = None) -> Dict[str, Any]:
+    """Rank 0's work: cluster + profile + solver -> plan dict (`layers`: the module's layer specs).
+
+    A job with fewer ranks than the cluster has devices (restarted after devices or hosts were lost) plans
+    for the devices its ranks run on: `ranks_at` gives each rank's (host, local rank), rank r runs on the
+    local-rank-th device listed for its host (`Cluster.devices_of`), and the plan's rank mapping is over
+    the job's ranks."""
     from .solvers import solve
 
     cluster = load_cluster(pl.cluster)
+    if len(cluster) > world_size and ranks_at is not None:
+        present = cluster.devices_of([h for h, _ in ranks_at], [lr for _, lr in ranks_at])
+        if present is not None:
+            cluster = cluster.subset(present, source=f"{pl.cluster} (the {world_size} devices left)")
     if len(cluster) != world_size:
+        where = "" if ranks_at is None else (" (the ranks run on hosts " +
+                                             ", ".join(sorted({h for h, _ in ranks_at})) + ")")
         raise ConfigError([f"pdv.placement.cluster: '{pl.cluster}' describes {len(cluster)} devices but the job "
-                           f"has {world_size} ranks"])
+                           f"has {world_size} ranks{where}"])
     prof = load_or_profile(module, pl, layers)
     if len(prof) != len(layers):
         raise ConfigError([f"pdv.placement.profile: has {len(prof)} layers but the model has "
@@ -102,9 +114,15 @@ def plan_for_module(module: Any, placement_cfg: Any, micro_batches: Optional[int
     `layers` are the module's layer specs (every stage's)."""
     import torch.distributed as dist
 
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else (
-        1 if module is None else module.world_size)
-    plan = on_rank0(lambda: make_plan(module, placement_cfg, world, micro_batches, layers=layers), "placement planning")
+    initialized = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if initialized else (1 if module is None else module.world_size)
+    ranks_at = None
+    if initialized:  # where each rank runs (host, local rank): a smaller job plans for the devices it has
+        ranks_at = [None] * world
+        dist.all_gather_object(ranks_at, (os.environ.get("PDV_HOST") or socket.gethostname(),
+                                          int(os.environ.get("LOCAL_RANK", "0"))))
+    plan = on_rank0(lambda: make_plan(module, placement_cfg, world, micro_batches, layers=layers,
+                                      ranks_at=ranks_at), "placement planning")
     if module is not None:
         module._pdv_plan = plan  # the start-up summary reports its solver and predicted step time
     return plan

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 
@@ -28,14 +28,17 @@ def before_loss(mode: str, plan: Dict[str, Any], hosts: List[str], root: str, jo
 
 
 def after_loss(mode: str, plan: Dict[str, Any], hosts: List[str], root: str, job: str, ckpt: str, n: int,
-               expect_error: bool = False) -> Dict[str, Any]:
-    """On the survivors (`hosts` by rank) under `plan`: resume from the snapshots and train n steps; then a
-    fresh engine under the same plan loads the disk checkpoint "k" and trains n steps (the reference)."""
+               placement: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """On the survivors (`hosts` by rank) under `plan` (or, with `placement`, the plan pdv's start-up makes
+    for the devices left: `plan` then gives only the pipeline depth): resume from the snapshots and train n
+    steps; then a fresh engine under the same plan loads the disk checkpoint "k" and trains n steps (the
+    reference)."""
     from pdv_ext.config_base import ConfigError
+    from pdv_ext.integrations.deepspeed.checkpoint import plan_of
 
     os.environ["PDV_HOST"] = hosts[int(os.environ["RANK"])]
-    eng, data = build(mode, plan, _config(root, job))
-    out: Dict[str, Any] = {}
+    eng, data = build(mode, plan, {**_config(root, job), **({"placement": placement} if placement else {})})
+    out: Dict[str, Any] = {"plan": plan_of(eng)}
     try:
         out["resumed_step"] = eng.resume_from_snapshots()
     except ConfigError as exc:
@@ -44,7 +47,7 @@ def after_loss(mode: str, plan: Dict[str, Any], hosts: List[str], root: str, job
     out["resumed_state"] = whole_state(eng)
     out["resumed"] = train(eng, data, n)
     del eng
-    eng, data = build(mode, plan, None)
+    eng, data = build(mode, out["plan"], None)
     eng.load_checkpoint(ckpt, tag="k")
     out["reference_state"] = whole_state(eng)
     out["reference"] = train(eng, data, n)

@@ -67,3 +67,31 @@ def test_both_copies_lost_names_the_layers(tmp_path):
                  n=1)
     for r in after:
         assert "layer_05.pt" in r["error"] and "disk checkpoint" in r["error"], r
+
+
+@pytest.mark.timeout(420)
+def test_survivors_plan_for_the_devices_left(tmp_path):
+    """With `pdv.placement.cluster`, the two survivors plan at start-up for the devices they run on (the
+    cluster lists four on two hosts; the job has two ranks, both on host A) and resume under that plan."""
+    import yaml
+
+    from pdv_ext.placement.profile import Profile
+
+    root, ckpt = str(tmp_path / "shm"), str(tmp_path / "ckpt")
+    cluster = {"devices": [{"name": f"{h}{i}", "host": f"host{h.upper()}", "throughput": 1.0}
+                           for h in "ab" for i in range(2)],
+               "links": {"intra_host": {"bandwidth": "10GB/s", "latency": "5us"},
+                         "inter_host": {"bandwidth": "1GB/s", "latency": "50us"}}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cluster))
+    Profile.synthetic(8, heavy_every=3).save(str(tmp_path / "p.json"))
+    placement = {"cluster": str(tmp_path / "c.yaml"), "profile": str(tmp_path / "p.json"), "num_stages": 2}
+    _run("before_loss", 4, mode="fp32", plan=PIPE2x2, hosts=["hostA", "hostA", "hostB", "hostB"], root=root,
+         job="j", ckpt=ckpt, k=2)
+    shutil.rmtree(os.path.join(root, "j", "hostB"))
+    after = _run("after_loss", 2, mode="fp32", plan=PIPE2, hosts=["hostA", "hostA"], root=root, job="j", ckpt=ckpt,
+                 n=2, placement=placement)
+    for r in after:
+        assert r.get("error") is None, r.get("error")
+        assert sorted(x for st in r["plan"]["rank_mapping"] for x in st) == [0, 1] and r["resumed_step"] == 2
+        _same(r["resumed_state"], r["reference_state"])
+        assert r["resumed"] == r["reference"]

@@ -83,3 +83,33 @@ def test_resume_auto_follows_torchrun(monkeypatch):
     assert SnapshotsConfig().resumes() and not SnapshotsConfig(resume=False).resumes()
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run7")
     assert SnapshotsConfig().job_name() == "run7" and SnapshotsConfig(job="x").job_name() == "x"
+
+
+def test_a_smaller_job_plans_for_the_devices_left(tmp_path):
+    """Issue #37 item 3: a job restarted on fewer ranks than the cluster lists plans for the devices its ranks
+    run on (by host and local rank); a host the cluster does not know keeps the clear size error."""
+    import yaml
+
+    from pdv_ext.config_base import ConfigError
+    from pdv_ext.placement.config import PlacementConfig
+    from pdv_ext.placement.profile import Profile
+    from pdv_ext.placement.startup import make_plan
+
+    cluster = {"devices": [{"name": "a0", "host": "hostA", "throughput": 1.0},
+                           {"name": "a1", "host": "hostA", "throughput": 1.0},
+                           {"name": "b0", "host": "hostB", "throughput": 0.25},
+                           {"name": "b1", "host": "hostB", "throughput": 0.25}],
+               "links": {"intra_host": {"bandwidth": "10GB/s", "latency": "5us"},
+                         "inter_host": {"bandwidth": "1GB/s", "latency": "50us"}}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cluster))
+    Profile.synthetic(8).save(str(tmp_path / "p.json"))
+    pl = PlacementConfig(cluster=str(tmp_path / "c.yaml"), profile=str(tmp_path / "p.json"), num_stages=2)
+    full = make_plan(None, pl, 4, layers=[None] * 8)
+    assert sorted(r for st in full["rank_mapping"] for r in st) == [0, 1, 2, 3]
+    left = make_plan(None, pl, 2, layers=[None] * 8, ranks_at=[("hostB", 0), ("hostB", 1)])
+    assert sorted(r for st in left["rank_mapping"] for r in st) == [0, 1] and len(left["boundaries"]) == 3
+    # the slow host's two devices alone: predicted slower than the two fast ones
+    fast = make_plan(None, pl, 2, layers=[None] * 8, ranks_at=[("hostA", 0), ("hostA", 1)])
+    assert left["predicted_step_time"] > 2 * fast["predicted_step_time"]
+    with pytest.raises(ConfigError, match="describes 4 devices but the job has 2 ranks .*hostC"):
+        make_plan(None, pl, 2, layers=[None] * 8, ranks_at=[("hostC", 0), ("hostC", 1)])
