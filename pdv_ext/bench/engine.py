@@ -75,7 +75,7 @@ def _rank(steps: int, warmup: int, layers: int, hidden: int, stages: int, micro_
         return engine, batches(synthetic_batches(64, 10, micro_batch, seed=seed + engine.grid.get_data_parallel_id()))
 
     times: Dict[str, List[float]] = {"vanilla": [], "pdv": []}
-    snapshot_s: List[float] = []
+    snapshot_s: List[Dict[str, float]] = []
     losses: Dict[str, List[float]] = {"vanilla": [], "pdv": []}
     same_weights, info = True, {}
     per_round = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
@@ -95,8 +95,9 @@ def _rank(steps: int, warmup: int, layers: int, hidden: int, stages: int, micro_
                 dt = time.perf_counter() - t0
                 if i >= warmup:
                     times[name].append(dt)
-                    if name == "pdv" and getattr(eng, "pdv_snapshots", None) is not None:
-                        snapshot_s.append(eng.pdv_snapshots.last.get("seconds", 0.0))
+                    if name == "pdv" and getattr(eng, "pdv_snapshots", None) is not None and eng.pdv_snapshots.last:
+                        snapshot_s.append(dict(eng.pdv_snapshots.last))
+                        eng.pdv_snapshots.last = {}
                 losses[name].append(float(loss))
         vanilla, pdv = built["vanilla"][0], built["pdv"][0]
         same_weights = same_weights and all(torch.equal(a, b) for a, b in zip(vanilla.module.parameters(),
@@ -106,6 +107,18 @@ def _rank(steps: int, warmup: int, layers: int, hidden: int, stages: int, micro_
         del built, vanilla, pdv, eng
         gc.collect()
     return {"times": times, "losses": losses, "same_weights": same_weights, "snapshot_s": snapshot_s, **info}
+
+
+def snapshot_figures(res: List[Dict[str, Any]], every: int) -> Dict[str, Any]:
+    """The snapshots' cost: the median over snapshots of the slowest rank's time (`snapshot_ms`) and of each
+    rank-median part, slowest rank's (`snapshot_parts_ms`: collect, serialize, write, send, seal_wait)."""
+    n = min(len(r["snapshot_s"]) for r in res)
+    if not n:
+        return {"snapshots_every": every, "snapshot_ms": None}
+    slowest = [max(res, key=lambda r: r["snapshot_s"][i]["seconds"])["snapshot_s"][i] for i in range(n)]
+    parts = ("collect_s", "serialize_s", "write_s", "send_s", "seal_wait_s")
+    return {"snapshots_every": every, "snapshot_ms": round(median([s["seconds"] for s in slowest]) * 1e3, 3),
+            "snapshot_parts_ms": {p[:-2]: round(median([s[p] for s in slowest]) * 1e3, 3) for p in parts}}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -174,10 +187,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     emit({"vanilla_ms": round(vanilla_ms, 3), "pdv_ms": round(pdv_ms, 3), "ratio": round(pdv_ms / vanilla_ms, 4),
           "loss_equal": loss_equal, "ranks": args.ranks, "precision": args.precision, "zero": args.zero,
           "optimizer": res[0]["optimizer"],
-          **({"snapshots_every": args.snapshots,
-              "snapshot_ms": round(median([max(r["snapshot_s"][i] for r in res)
-                                           for i in range(len(res[0]["snapshot_s"]))]) * 1e3, 3)}
-             if args.snapshots else {})}, args.json)
+          **(snapshot_figures(res, args.snapshots) if args.snapshots else {})}, args.json)
     return 0
 
 

@@ -111,6 +111,7 @@ class Snapshots:
         step, rank = int(eng.global_steps), int(eng.global_rank)
         mapping = current_mapping(eng.module)
         by_layer, pdv, whole = stage_layer_entries(eng)
+        t_collect = time.perf_counter()
         layers: List[Any] = [None] * dist.get_world_size()  # every layer file a complete step has
         dist.all_gather_object(layers, sorted(by_layer))
         expected = {f"layer_{i:02d}.pt" for ls in layers for i in ls} | {"meta.pt"}
@@ -118,12 +119,15 @@ class Snapshots:
         dist.broadcast_object_list(meta, src=mapping[0][0])
         writers, buddies = plan_writers(mapping, self.hosts)
         sealed: Dict[str, Dict[str, object]] = {}
-        files = {f"layer_{i:02d}.pt": _bytes(e, f"layer {i}") for i, e in sorted(by_layer.items())}
+        sends = rank in writers[eng.stage_id] or any(src == rank for src, _ in buddies.values())
+        files = {f"layer_{i:02d}.pt": _bytes(e, f"layer {i}") for i, e in sorted(by_layer.items())} if sends else {}
+        t_serialize = time.perf_counter()
         if rank in writers[eng.stage_id]:
             for name, data in files.items():
                 sealed[name] = store.write(step, name, data)
         if self._host_leader(rank):  # meta on every host
             sealed["meta.pt"] = store.write(step, "meta.pt", _bytes(meta[0], "meta"))
+        t_write = time.perf_counter()
         for s, (src, dst) in sorted(buddies.items()):  # the same order on every rank: no send waits on another
             if rank == src:
                 for name in sorted(files):
@@ -136,12 +140,18 @@ class Snapshots:
                     if not name:
                         break
                     sealed[name] = store.write(step, name, _recv(src))
+        t_send = time.perf_counter()
         if sealed:
             store.seal(step, rank, sealed, expected)
         dist.barrier()  # every rank sealed this step: the older ones can go
         if self._host_leader(rank):
             store.prune(self.cfg.keep)
-        self.last = {"seconds": time.perf_counter() - t0, "bytes": float(sum(int(e["bytes"]) for e in sealed.values()))}
+        end = time.perf_counter()
+        self.last = {"seconds": end - t0, "bytes": float(sum(int(e["bytes"]) for e in sealed.values())),
+                     # where the time went: gathering the stage's state (and the layer list, the meta), turning
+                     # it into bytes, writing it, sending the copies, sealing and waiting for the others
+                     "collect_s": t_collect - t0, "serialize_s": t_serialize - t_collect,
+                     "write_s": t_write - t_serialize, "send_s": t_send - t_write, "seal_wait_s": end - t_send}
         return self.last
 
     def discard(self, eng: Any) -> None:
