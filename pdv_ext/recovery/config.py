@@ -26,6 +26,8 @@ class SnapshotsConfig(StrictModel):
     root: str = Field(default_factory=default_root, description="folder in host memory (each host its own)")
     job: Optional[str] = Field(None, description="name of this job's snapshots under root (default: torchrun's "
                                                  "run id, TORCHELASTIC_RUN_ID, else 'pdv')")
+    background: bool = Field(True, description="write, copy and seal on a thread while training goes on (false: "
+                                                "inside the step)")
     resume: Union[bool, Literal["auto"]] = Field(
         "auto", description="resume from the newest complete snapshot at start-up: 'auto' when torchrun "
                             "restarted the workers (TORCHELASTIC_RESTART_COUNT > 0), true always, false never")

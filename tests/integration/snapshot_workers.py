@@ -20,6 +20,7 @@ def before_loss(mode: str, plan: Dict[str, Any], hosts: List[str], root: str, jo
     os.environ["PDV_HOST"] = hosts[int(os.environ["RANK"])]
     eng, data = build(mode, plan, _config(root, job))
     out = {"first": train(eng, data, k)}
+    eng.pdv_snapshots.wait()  # (written in the background) step k sealed on every host
     eng.save_checkpoint(ckpt, tag="k")
     out["state_k"] = whole_state(eng)
     out["snapshot"] = dict(eng.pdv_snapshots.last)

@@ -34,6 +34,7 @@ def main() -> None:
             log.write(json.dumps({"attempt": attempt, "step": int(eng.global_steps), "loss": loss}) + "\n")
             log.flush()
             if attempt == 0 and rank == args.crash_rank and eng.global_steps == args.crash_at:
+                eng.pdv_snapshots.wait()  # lost right after its snapshot of this step was written
                 os._exit(17)  # no clean-up, no goodbye: the device is gone
     eng.discard_snapshots()
 

@@ -113,3 +113,24 @@ def test_a_smaller_job_plans_for_the_devices_left(tmp_path):
     assert left["predicted_step_time"] > 2 * fast["predicted_step_time"]
     with pytest.raises(ConfigError, match="describes 4 devices but the job has 2 ranks .*hostC"):
         make_plan(None, pl, 2, layers=[None] * 8, ranks_at=[("hostC", 0), ("hostC", 1)])
+
+
+def test_a_failed_background_snapshot_is_raised_at_the_next_wait():
+    """The writing half runs on a thread: its error must reach the training thread (at the next snapshot,
+    discard or resume), once, naming what failed - never be lost."""
+    import threading
+
+    from pdv_ext.integrations.deepspeed.snapshots import Snapshots
+
+    snaps = Snapshots.__new__(Snapshots)  # no process group needed for the thread's bookkeeping
+    snaps._error, snaps._thread = None, None
+
+    def write(**_):
+        raise OSError("No space left on device")
+
+    snaps._write = write
+    snaps._thread = threading.Thread(target=snaps._run, daemon=True)
+    snaps._thread.start()
+    with pytest.raises(RuntimeError, match="background failed: No space left on device"):
+        snaps.wait()
+    snaps.wait()  # reported once; nothing in flight now

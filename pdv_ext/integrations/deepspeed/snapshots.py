@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -55,19 +56,31 @@ def _hosts(store: HostStore) -> List[str]:
     return [str(h) for h in hosts]
 
 
-def _send(data: bytes, dst: int) -> None:
-    dist.send(torch.tensor([len(data)], dtype=torch.int64), dst)
+def _send(data: bytes, dst: int, group: Any = None) -> None:
+    dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, group=group)
     if data:
-        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst)
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=group)
 
 
-def _recv(src: int) -> bytes:
+def _recv(src: int, group: Any = None) -> bytes:
     n = torch.empty(1, dtype=torch.int64)
-    dist.recv(n, src)
+    dist.recv(n, src, group=group)
     buf = torch.empty(int(n.item()), dtype=torch.uint8)
     if buf.numel():
-        dist.recv(buf, src)
+        dist.recv(buf, src, group=group)
     return buf.numpy().tobytes()
+
+
+def _copied(obj: Any) -> Any:
+    """`obj` with every tensor copied to the CPU (lists, tuples and dicts rebuilt): what a background write
+    reads while the training thread updates the weights and optimizer state in place."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _copied(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copied(v) for v in obj)
+    return obj
 
 
 def plan_writers(mapping: List[List[int]], hosts: List[str]) -> Tuple[Dict[int, List[int]], Dict[int, Tuple[int, int]]]:
@@ -96,6 +109,11 @@ class Snapshots:
         self.store = HostStore(cfg.root, cfg.job_name())
         self.hosts = _hosts(self.store)  # collective: every rank builds its engine at once
         self.last: Dict[str, float] = {}
+        # the writing half of a snapshot runs on a thread of its own, over a process group of its own (the
+        # step's collectives go on meanwhile on the engine's); one snapshot in flight at a time
+        self._group = dist.new_group(backend="gloo") if cfg.background else None
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
 
     def due(self, engine: Any) -> bool:
         return engine.global_steps > 0 and engine.global_steps % self.cfg.every == 0
@@ -103,60 +121,99 @@ class Snapshots:
     def _host_leader(self, rank: int) -> bool:
         return rank == min(r for r, h in enumerate(self.hosts) if h == self.store.host)
 
+    def wait(self) -> None:
+        """Finish the snapshot in flight, if any (its error, if it failed, is raised here)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"pdv.snapshots: the snapshot in the background failed: {err}") from err
+
     def take(self, eng: Any) -> Dict[str, float]:
-        """Snapshot the engine's state at its current step (collective). Returns this rank's figures
-        (seconds, bytes written)."""
-        store = self.store
+        """Snapshot the engine's state at its current step (collective). What the state is gets settled here,
+        on every rank (a copy of it where the writing runs in the background, `background`: default); the
+        bytes are written, sent and sealed by a thread while training goes on. Returns this rank's figures of
+        the previous snapshot (seconds and their parts, bytes written)."""
+        self.wait()
         t0 = time.perf_counter()
         step, rank = int(eng.global_steps), int(eng.global_rank)
         mapping = current_mapping(eng.module)
         by_layer, pdv, whole = stage_layer_entries(eng)
-        t_collect = time.perf_counter()
         layers: List[Any] = [None] * dist.get_world_size()  # every layer file a complete step has
         dist.all_gather_object(layers, sorted(by_layer))
         expected = {f"layer_{i:02d}.pt" for ls in layers for i in ls} | {"meta.pt"}
         meta: List[Any] = [meta_of(eng, pdv, whole) if mapping[0][0] == rank else None]
         dist.broadcast_object_list(meta, src=mapping[0][0])
         writers, buddies = plan_writers(mapping, self.hosts)
-        sealed: Dict[str, Dict[str, object]] = {}
         sends = rank in writers[eng.stage_id] or any(src == rank for src, _ in buddies.values())
-        files = {f"layer_{i:02d}.pt": _bytes(e, f"layer {i}") for i, e in sorted(by_layer.items())} if sends else {}
+        entries = by_layer if sends else {}
+        meta_obj = meta[0] if self._host_leader(rank) else None
+        job = dict(step=step, rank=rank, entries=entries, meta=meta_obj, writes=rank in writers[eng.stage_id],
+                   buddies=buddies, expected=expected, t0=t0)
+        if self._group is None:
+            self._write(**job, t_collect=time.perf_counter(), group=None)
+            return self.last
+        job["entries"], job["meta"] = _copied(entries), _copied(meta_obj)  # training moves on meanwhile
+        job.update(t_collect=time.perf_counter(), group=self._group)
+        # a daemon thread: a process that ends (or dies) with a snapshot in flight is not held up by it; the
+        # unfinished step is never sealed everywhere, so a resume takes the one before
+        self._thread = threading.Thread(target=self._run, kwargs=job, name="pdv-snapshot", daemon=True)
+        self._thread.start()
+        return self.last
+
+    def _run(self, **job: Any) -> None:
+        try:
+            self._write(**job)
+        except BaseException as exc:  # raised in the training thread at the next take / wait
+            self._error = exc
+
+    def _write(self, step: int, rank: int, entries: Dict[int, Any], meta: Any, writes: bool,
+               buddies: Dict[int, Tuple[int, int]], expected: Any, t0: float, t_collect: float,
+               group: Any) -> None:
+        """The writing half: bytes, this host's files, the copies for the next host, the seal, then (every rank
+        sealed) the older steps dropped."""
+        store = self.store
+        files = {f"layer_{i:02d}.pt": _bytes(e, f"layer {i}") for i, e in sorted(entries.items())}
         t_serialize = time.perf_counter()
-        if rank in writers[eng.stage_id]:
+        sealed: Dict[str, Dict[str, object]] = {}
+        if writes:
             for name, data in files.items():
                 sealed[name] = store.write(step, name, data)
-        if self._host_leader(rank):  # meta on every host
-            sealed["meta.pt"] = store.write(step, "meta.pt", _bytes(meta[0], "meta"))
+        if meta is not None:  # meta on every host
+            sealed["meta.pt"] = store.write(step, "meta.pt", _bytes(meta, "meta"))
         t_write = time.perf_counter()
         for s, (src, dst) in sorted(buddies.items()):  # the same order on every rank: no send waits on another
             if rank == src:
                 for name in sorted(files):
-                    _send(name.encode(), dst)
-                    _send(files[name], dst)
-                _send(b"", dst)
+                    _send(name.encode(), dst, group)
+                    _send(files[name], dst, group)
+                _send(b"", dst, group)
             elif rank == dst:
                 while True:
-                    name = _recv(src).decode()
+                    name = _recv(src, group).decode()
                     if not name:
                         break
-                    sealed[name] = store.write(step, name, _recv(src))
+                    sealed[name] = store.write(step, name, _recv(src, group))
         t_send = time.perf_counter()
         if sealed:
             store.seal(step, rank, sealed, expected)
-        dist.barrier()  # every rank sealed this step: the older ones can go
+        dist.barrier(group=group)  # every rank sealed this step: the older ones can go
         if self._host_leader(rank):
             store.prune(self.cfg.keep)
         end = time.perf_counter()
         self.last = {"seconds": end - t0, "bytes": float(sum(int(e["bytes"]) for e in sealed.values())),
-                     # where the time went: gathering the stage's state (and the layer list, the meta), turning
-                     # it into bytes, writing it, sending the copies, sealing and waiting for the others
+                     # where the time went: gathering the stage's state (and the layer list, the meta; a copy
+                     # of it in the background mode), turning it into bytes, writing it, sending the copies,
+                     # sealing and waiting for the others (in the background mode all but the first off the
+                     # step's critical path)
                      "collect_s": t_collect - t0, "serialize_s": t_serialize - t_collect,
                      "write_s": t_write - t_serialize, "send_s": t_send - t_write, "seal_wait_s": end - t_send}
-        return self.last
 
     def discard(self, eng: Any) -> None:
         """Remove this job's snapshots from every host's memory (collective; at the end of training: they are
         for restarts, and a tmpfs holds them in RAM)."""
+        self.wait()
         dist.barrier()
         if self._host_leader(int(eng.global_rank)):
             shutil.rmtree(self.store.base, ignore_errors=True)
@@ -169,6 +226,7 @@ class Snapshots:
     def resume(self, eng: Any) -> Optional[int]:
         """Restore the newest step every file of which survives on some host into `eng` (collective, any plan
         over the same layers). Returns the step, None when no host has any snapshot of this job."""
+        self.wait()
         store = self.store
         rank = int(eng.global_rank)
         listings: List[Any] = [None] * dist.get_world_size()
