@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import glob
 import json
 import math
 import os
@@ -235,6 +236,10 @@ DOC_COMMANDS = [
 ]
 
 
+#: DeepSpeed's CPU all-reduce workspaces of this user (pdv_ext.spawn.remove_deepspeed_shm says more)
+SHM_BUFFERS = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*"
+
+
 def check_docs(pages: List[str], ds_cache: str) -> None:
     text = "\n".join(open(p, encoding="utf-8").read() for p in pages)
     work = tempfile.mkdtemp(prefix="docs-", dir=".")
@@ -250,7 +255,10 @@ def check_docs(pages: List[str], ds_cache: str) -> None:
             env["TORCH_EXTENSIONS_DIR"] = ds_cache  # DeepSpeed's op built once, not minutes in every wheel test
             cmd = cmd.replace("deepspeed --num_gpus", f"deepspeed --master_port {free_port()} --num_gpus")
         t = time.monotonic()
+        shm_before = set(glob.glob(SHM_BUFFERS))
         out = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        for path in set(glob.glob(SHM_BUFFERS)) - shm_before:  # DeepSpeed never unlinks its CPU all-reduce
+            os.remove(path)                                     # workspaces (69 MB a rank): the run's are gone
         tail = (out.stdout + out.stderr).strip()[-1500:]
         check(out.returncode == 0, f"`{cmd}` runs as written from the installed package "
                                    f"({time.monotonic() - t:.0f} s){'' if out.returncode == 0 else ': ' + tail}")
