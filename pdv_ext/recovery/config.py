@@ -26,6 +26,8 @@ class SnapshotsConfig(StrictModel):
     root: str = Field(default_factory=default_root, description="folder in host memory (each host its own)")
     job: Optional[str] = Field(None, description="name of this job's snapshots under root (default: torchrun's "
                                                  "run id, TORCHELASTIC_RUN_ID, else 'pdv')")
+    timeout: float = Field(300.0, gt=0, description="seconds a background snapshot waits for a peer (its copies, "
+                                                     "its seal) before it gives up")
     background: bool = Field(True, description="write, copy and seal on a thread while training goes on (false: "
                                                 "inside the step)")
     resume: Union[bool, Literal["auto"]] = Field(

@@ -95,3 +95,23 @@ def test_survivors_plan_for_the_devices_left(tmp_path):
         assert sorted(x for st in r["plan"]["rank_mapping"] for x in st) == [0, 1] and r["resumed_step"] == 2
         _same(r["resumed_state"], r["reference_state"])
         assert r["resumed"] == r["reference"]
+
+
+@pytest.mark.timeout(420)
+def test_a_host_that_comes_back_is_used_again(tmp_path):
+    """Scale-up: two ranks on host A trained with snapshots (pipe 2 x data 1); host B joins again and the
+    job restarts on four ranks (pipe 2 x data 2). B's ranks have no snapshot of their own and fetch their
+    stage's files from A; the new replicas start from replica 0's state, as a disk checkpoint loaded under the
+    wider plan gives them (bit for bit)."""
+    root, ckpt = str(tmp_path / "shm"), str(tmp_path / "ckpt")
+    _run("before_loss", 2, mode="fp32", plan=PIPE2, hosts=["hostA", "hostA"], root=root, job="j", ckpt=ckpt, k=2)
+    assert not os.path.exists(os.path.join(root, "j", "hostB"))
+    after = _run("after_loss", 4, mode="fp32", plan=PIPE2x2, hosts=["hostA", "hostA", "hostB", "hostB"], root=root,
+                 job="j", ckpt=ckpt, n=2)
+    for r in after:
+        assert r.get("error") is None, r.get("error")
+        assert r["resumed_step"] == 2
+        _same(r["resumed_state"], r["reference_state"])
+        assert r["resumed"] == r["reference"]
+    # B is used again: the two steps after the resume have their copies there too
+    assert sorted(os.listdir(os.path.join(root, "j", "hostB"))) == ["step00000003", "step00000004"]

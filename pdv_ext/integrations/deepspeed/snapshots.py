@@ -22,6 +22,7 @@ import os
 import shutil
 import threading
 import time
+from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -111,7 +112,8 @@ class Snapshots:
         self.last: Dict[str, float] = {}
         # the writing half of a snapshot runs on a thread of its own, over a process group of its own (the
         # step's collectives go on meanwhile on the engine's); one snapshot in flight at a time
-        self._group = dist.new_group(backend="gloo") if cfg.background else None
+        self._group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout)) if cfg.background
+                       else None)  # a peer that died mid-snapshot fails the thread's wait, not holds it for good
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
