@@ -7,12 +7,17 @@ import argparse
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tests.integration.move_workers import build  # noqa: E402
 
-PIPE2x2 = {"boundaries": [0, 4, 8], "rank_mapping": [[0, 1], [2, 3]]}
+def pipe2(world: int) -> dict:
+    """Two stages, world / 2 replicas each: stage 0 on the first half of the ranks (torchrun numbers a host's
+    workers together, so with two hosts each stage runs on one host)."""
+    dp = world // 2
+    return {"boundaries": [0, 4, 8], "rank_mapping": [list(range(dp)), list(range(dp, 2 * dp))]}
 
 
 def main() -> None:
@@ -22,17 +27,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--crash-at", type=int, default=-1)
     ap.add_argument("--crash-rank", type=int, default=2)
+    ap.add_argument("--sleep", type=float, default=0.0, help="seconds after each step (a slower job)")
+    ap.add_argument("--host-tag", default="", help="(unused: marks a host's processes for the test)")
     args = ap.parse_args()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = int(os.environ["RANK"])
-    eng, data = build("fp32", PIPE2x2, {"snapshots": {"root": args.shm, "job": "torchrun-test", "every": 1}})
-    with open(os.path.join(args.out, f"rank{rank}.jsonl"), "a", encoding="utf-8") as log:
-        log.write(json.dumps({"attempt": attempt, "start": int(eng.global_steps),
+    eng, data = build("fp32", pipe2(int(os.environ["WORLD_SIZE"])),
+                      {"snapshots": {"root": args.shm, "job": "torchrun-test", "every": 1}})
+    with open(os.path.join(args.out, f"{os.environ.get('PDV_HOST', 'h')}-rank{rank}.jsonl"), "a", encoding="utf-8") as log:
+        log.write(json.dumps({"attempt": attempt, "start": int(eng.global_steps), "world": int(os.environ["WORLD_SIZE"]),
                               "master": [os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])]}) + "\n")
         while eng.global_steps < args.steps:
             loss = float(eng.train_batch(data_iter=data))
-            log.write(json.dumps({"attempt": attempt, "step": int(eng.global_steps), "loss": loss}) + "\n")
+            log.write(json.dumps({"attempt": attempt, "step": int(eng.global_steps), "loss": loss,
+                                  "t": time.time()}) + "\n")
             log.flush()
+            time.sleep(args.sleep)
             if attempt == 0 and rank == args.crash_rank and eng.global_steps == args.crash_at:
                 eng.pdv_snapshots.wait()  # lost right after its snapshot of this step was written
                 os._exit(17)  # no clean-up, no goodbye: the device is gone
