@@ -23,7 +23,7 @@ COMMANDS = {
     "example": ("pdv_ext.examples:main", "list the shipped examples, or copy one out: pdv example NAME DIR"),
 }
 
-BENCHES = ["engine", "aggregate", "kernels", "byzantine", "convergence", "planner", "adaptive", "adapt", "placement",
+BENCHES = ["engine", "aggregate", "kernels", "byzantine", "convergence", "planner", "adaptive", "adapt", "faults", "placement",
            "init-search", "profile", "move"]
 
 

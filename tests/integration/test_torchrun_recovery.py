@@ -132,3 +132,20 @@ def test_lost_host_under_elastic_agents(tmp_path):
         assert all(after[s] == pytest.approx(calm[s], rel=1e-5) for s in after), (after, calm)
     for addr, port_ in {tuple(e["master"]) for lines in logs.values() for e in lines if "master" in e}:
         remove_deepspeed_shm(port_, addr)
+
+
+@pytest.mark.timeout(400)
+def test_bench_faults_quick():
+    """`pdv bench faults --quick`: the three ways run, the recovered one completes with at most one step lost
+    and the held-out loss of the run that switched plans without a failure (to rounding); bad input is one
+    line before anything runs."""
+    p = subprocess.run([sys.executable, "-m", "pdv_ext.cli", "bench", "faults", "--quick", "--json"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=380, env={**os.environ, "PYTHONPATH": ROOT})
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["completed"] and res["steps_lost"] <= 1 and res["recovered"]["world_after"] == 2, res
+    assert 0 < res["recovery_s"] < 60 and res["held_out_vs_reference"] < 1e-4, res
+    assert res["disk_restart"]["completed"] and res["disk_restart"]["resumed_at"] == 3, res  # checkpoint every 3
+    bad = subprocess.run([sys.executable, "-m", "pdv_ext.cli", "bench", "faults", "--steps", "10", "--lose-at", "10"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--lose-at 10: must fall inside the run" in bad.stderr, bad.stderr

@@ -116,6 +116,7 @@ class Snapshots:
                        else None)  # a peer that died mid-snapshot fails the thread's wait, not holds it for good
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        self.resumed: Dict[str, float] = {}  # the last resume: its step and seconds
 
     def due(self, engine: Any) -> bool:
         return engine.global_steps > 0 and engine.global_steps % self.cfg.every == 0
@@ -229,6 +230,7 @@ class Snapshots:
         """Restore the newest step every file of which survives on some host into `eng` (collective, any plan
         over the same layers). Returns the step, None when no host has any snapshot of this job."""
         self.wait()
+        t0 = time.perf_counter()
         store = self.store
         rank = int(eng.global_rank)
         listings: List[Any] = [None] * dist.get_world_size()
@@ -277,4 +279,5 @@ class Snapshots:
             store.read(step, name, files[name])
         load_layer_checkpoint(eng, store.base, tag_of(step))
         dist.barrier()
+        self.resumed = {"step": float(step), "seconds": time.perf_counter() - t0}
         return step

@@ -1,0 +1,226 @@
+"""`pdv bench faults --json`: a host lost for good in the middle of a run, on this machine, under torchrun.
+
+Two torchrun agents stand for two hosts (`PDV_HOST` hostA and hostB, `--nnodes 1:2`, c10d rendezvous, two
+workers each: pipe 2 x data 2 of `faults_job.py`). At `--lose-at` (default a third of the run) host B's agent
+and workers are killed and its memory (its snapshot folder) wiped; agent A restarts its workers in a world of
+two (pipe 2 x data 1). Three ways, one job:
+
+- `reference`: no failure, but the same switch of plan at the same step: 4 workers to the step, a disk
+  checkpoint, 2 workers from it (what recovery should equal);
+- `recovered`: pdv's in-memory snapshots (every step, in the background), the host lost;
+- `disk_restart`: what a user has without them: a disk checkpoint every `--ckpt-every` steps, the host lost,
+  the survivors restarted from the newest checkpoint (the same torchrun restart).
+
+Figures: `completed`, `steps_lost` (steps trained twice), `recovery_s` (the kill to the first step finished
+after it) with its parts (`restart_s`: the kill to the new workers' start, detection and rendezvous included;
+`startup_s`: their imports and engine; `state_load_s`: the resume; `first_step_s`), `held_out_vs_reference`
+(relative difference of the held-out loss at the end), `recovered_vs_disk_restart` (wall time, the first
+agent's start to the end), `snapshot_overhead` (median step with snapshots before the loss over the disk
+run's, less 1). A CPU machine's figures; the same job on GPUs is not measured.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+from .common import check_ranges, emit, log, parser
+
+RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
+
+
+def _kill_matching(marker: str) -> None:
+    import psutil
+
+    for _ in range(3):
+        for q in psutil.process_iter(["cmdline"]):
+            if marker in " ".join(q.info["cmdline"] or []) and q.pid != os.getpid():
+                try:
+                    q.kill()
+                except psutil.Error:
+                    pass
+
+
+def _env() -> Dict[str, str]:
+    from ..spawn import default_env
+
+    return {**os.environ, **default_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def _torchrun(nnodes: str, nproc: int, port: int, run_id: str, job: List[str]) -> List[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+            "--max-restarts=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
+            "--monitor-interval=0.5", f"--rdzv-conf={RDZV_CONF}", "-m", "pdv_ext.bench.faults_job", *job]
+
+
+def _read(out: str) -> Dict[str, List[Dict[str, Any]]]:
+    logs = {}
+    for name in sorted(os.listdir(out)):
+        if name.endswith(".jsonl"):
+            with open(os.path.join(out, name), encoding="utf-8") as f:
+                logs[name[:-6]] = [json.loads(line) for line in f if line.strip()]
+    return logs
+
+
+def _lost_host(work: str, name: str, mode: str, steps: int, lose_at: int, ckpt_every: int, hidden: int,
+               sleep: float, timeout: float) -> Dict[str, Any]:
+    """Two agents, host B lost after step `lose_at`; returns the logs, the kill time and the wall time."""
+    from ..spawn import free_port
+
+    out, root = os.path.join(work, name), os.path.join(work, f"{name}-root")
+    os.makedirs(out)
+    port = free_port()
+    job = ["--out", out, "--root", root, "--mode", mode, "--steps", str(steps), "--ckpt-every", str(ckpt_every),
+           "--hidden", str(hidden), "--sleep", str(sleep)]
+    env, agents, t_kill = _env(), {}, None
+    t0 = time.time()
+    try:
+        for host in ("hostA", "hostB"):  # A first: its agent hosts the rendezvous store
+            agents[host] = subprocess.Popen(_torchrun("1:2", 2, port, name, job + ["--host-tag", f"{name}-{host}"]),
+                                            env={**env, "PDV_HOST": host}, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+            time.sleep(2)
+        deadline = time.time() + timeout
+        while time.time() < deadline and t_kill is None:
+            for lines in _read(out).values():
+                if any(e.get("step") == lose_at for e in lines if e.get("attempt") == 0):
+                    _kill_matching(f"--host-tag {name}-hostB")  # its agent, its workers ...
+                    t_kill = time.time()
+                    shutil.rmtree(os.path.join(root, "bench-faults", "hostB"), ignore_errors=True)  # ... its memory
+                    break
+            time.sleep(0.02)
+        if t_kill is None:
+            raise RuntimeError(f"{name}: host B never reached step {lose_at}")
+        _, err = agents["hostA"].communicate(timeout=max(deadline - time.time(), 1))
+        if agents["hostA"].returncode != 0:
+            raise RuntimeError(f"{name}: host A's agent exited with {agents['hostA'].returncode}: {err[-2000:]}")
+    finally:
+        _kill_matching(out)
+        for p in agents.values():
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+    return {"logs": _read(out), "t_kill": t_kill, "wall_s": time.time() - t0}
+
+
+def _reference(work: str, steps: int, lose_at: int, hidden: int, sleep: float, timeout: float) -> Dict[str, Any]:
+    """4 workers to step `lose_at`, a disk checkpoint, then 2 workers from it: the same switch of plan without a
+    failure."""
+    from ..spawn import free_port
+
+    out, root = os.path.join(work, "reference"), os.path.join(work, "reference-root")
+    os.makedirs(out)
+    env = {**_env(), "PDV_HOST": "hostA"}
+    base = ["--out", out, "--root", root, "--mode", "none", "--steps", str(steps), "--hidden", str(hidden),
+            "--sleep", str(sleep), "--host-tag", "reference"]
+    t0 = time.time()
+    try:
+        for nproc, extra in ((4, ["--save-at", str(lose_at)]), (2, ["--load", root])):
+            p = subprocess.run(_torchrun("1", nproc, free_port(), f"reference{nproc}", base + extra), env=env,
+                               capture_output=True, text=True, timeout=timeout)
+            if p.returncode != 0:
+                raise RuntimeError(f"reference on {nproc} workers exited with {p.returncode}: {p.stderr[-2000:]}")
+    finally:
+        _kill_matching(out)
+    return {"logs": _read(out), "wall_s": time.time() - t0}
+
+
+def _summary(run: Dict[str, Any], steps: int, lose_at: int) -> Dict[str, Any]:
+    """One lost-host run's figures (from host A's rank-0 log)."""
+    lines = run["logs"]["hostA-rank0"]
+    starts = [e for e in lines if "start" in e]
+    last_attempt = starts[-1]["attempt"]
+    trained = [e["step"] for e in lines if "step" in e]
+    after = [e for e in lines if "step" in e and e["attempt"] == last_attempt]
+    done_before = max([e["step"] for e in lines if "step" in e and e["attempt"] < last_attempt], default=0)
+    resumed_at = starts[-1]["start"]
+    held = [e["held_out"] for e in lines if "held_out" in e]
+    t_kill, first = run["t_kill"], after[0]["t"] if after else None
+    out = {"completed": bool(trained) and max(trained) == steps and bool(held), "world_after": starts[-1]["world"],
+           "resumed_at": resumed_at, "steps_lost": max(done_before - resumed_at, 0),
+           "held_out": held[-1] if held else None, "wall_s": round(run["wall_s"], 2)}
+    if first is not None and t_kill is not None:
+        s = starts[-1]
+        out["recovery_s"] = round(first - t_kill, 2)
+        out["recovery_parts_s"] = {"restart": round(s["t_process"] - t_kill, 2),
+                                   "startup": round(s["t_ready"] - s["t_process"], 2),
+                                   "state_load": round(s["resume_s"], 2),
+                                   "first_step": round(first - s["t_ready"] - s["resume_s"], 2)}
+    before = [e["t"] for e in lines if "step" in e and e["attempt"] == 0]
+    out["step_s_before"] = statistics.median([b - a for a, b in zip(before, before[1:])]) if len(before) > 2 else None
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = parser("faults", __doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=90)
+    ap.add_argument("--lose-at", type=int, default=None, help="the step after which host B is lost (default a third)")
+    ap.add_argument("--ckpt-every", type=int, default=25, help="disk_restart: a checkpoint every N steps")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--sleep", type=float, default=0.0, help="seconds added to each step (a slower job)")
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--only", default="reference,recovered,disk_restart")
+    ap.add_argument("--quick", action="store_true", help="12 steps, host B lost after step 4")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.lose_at, args.ckpt_every = 12, 4, 3
+    lose_at = args.lose_at if args.lose_at is not None else args.steps // 3
+    check_ranges(ap, args, {"--steps": 3, "--ckpt-every": 1, "--hidden": 1}, ["--timeout"])
+    if not (math.isfinite(args.sleep) and args.sleep >= 0):
+        ap.error(f"--sleep must be a finite number >= 0 (got {args.sleep:g})")
+    if not 0 < lose_at < args.steps:
+        ap.error(f"--lose-at {lose_at}: must fall inside the run (1 .. {args.steps - 1})")
+    kinds = [k.strip() for k in args.only.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in ("reference", "recovered", "disk_restart")]
+    if bad:
+        ap.error(f"--only: unknown {', '.join(bad)} (reference, recovered, disk_restart)")
+    work = tempfile.mkdtemp(prefix="pdv-bench-faults-")
+    res: Dict[str, Any] = {"steps": args.steps, "lose_at": lose_at, "ckpt_every": args.ckpt_every}
+    try:
+        runs: Dict[str, Any] = {}
+        if "reference" in kinds:
+            log("[bench faults] reference: 4 workers to the step, a disk checkpoint, 2 workers from it")
+            runs["reference"] = _reference(work, args.steps, lose_at, args.hidden, args.sleep, args.timeout)
+            ref = runs["reference"]["logs"]["hostA-rank0"]
+            res["reference"] = {"held_out": [e["held_out"] for e in ref if "held_out" in e][-1],
+                                "wall_s": round(runs["reference"]["wall_s"], 2)}
+        for kind, mode in (("recovered", "snapshots"), ("disk_restart", "disk")):
+            if kind in kinds:
+                log(f"[bench faults] {kind}: two hosts, host B lost after step {lose_at}")
+                runs[kind] = _lost_host(work, kind, mode, args.steps, lose_at, args.ckpt_every, args.hidden,
+                                        args.sleep, args.timeout)
+                res[kind] = _summary(runs[kind], args.steps, lose_at)
+        rec, disk = res.get("recovered"), res.get("disk_restart")
+        if rec:
+            res.update({k: rec[k] for k in ("completed", "steps_lost") if k in rec})
+            res["recovery_s"], res["recovery_parts_s"] = rec.get("recovery_s"), rec.get("recovery_parts_s")
+            if "reference" in res and rec["held_out"] is not None:
+                res["held_out_vs_reference"] = abs(rec["held_out"] / res["reference"]["held_out"] - 1.0)
+        if rec and disk:
+            res["recovered_vs_disk_restart"] = round(rec["wall_s"] / disk["wall_s"], 4)
+            if rec["step_s_before"] and disk["step_s_before"]:
+                res["snapshot_overhead"] = round(rec["step_s_before"] / disk["step_s_before"] - 1.0, 4)
+    finally:
+        from ..spawn import remove_deepspeed_shm
+
+        for kind in ("reference", "recovered", "disk_restart"):  # DeepSpeed's CPU all-reduce workspaces
+            for lines in (locals().get("runs", {}).get(kind, {}).get("logs", {}) or {}).values():
+                for e in lines:
+                    if "master" in e and e["master"][1]:
+                        remove_deepspeed_shm(e["master"][1], "127.0.0.1")
+                        remove_deepspeed_shm(e["master"][1], e["master"][0] or "127.0.0.1")
+        shutil.rmtree(work, ignore_errors=True)
+    emit(res, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""The training job `pdv bench faults` runs under torchrun (one worker per device): an 8-layer MLP as a 2-stage
+pipeline, pipe 2 x data world/2, with in-memory snapshots (`--mode snapshots`) or disk checkpoints every
+`--ckpt-every` steps (`--mode disk`, what a user has without pdv's snapshots). It goes on from wherever its state
+was left: the snapshots (pdv's start-up, after a torchrun restart), or the newest disk checkpoint. Each worker
+appends JSON lines to --out/<host>-rank<R>.jsonl: its start (attempt, world, the step it starts from, when the
+process started, how long start-up and the resume took), every step (loss, time), and at the end the
+held-out loss."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+T_PROCESS = time.time()
+
+import torch  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--root", required=True, help="snapshots' root (mode snapshots) or checkpoint folder (disk)")
+    ap.add_argument("--mode", choices=["snapshots", "disk", "none"], default="snapshots")
+    ap.add_argument("--steps", type=int, default=90)
+    ap.add_argument("--ckpt-every", type=int, default=25)
+    ap.add_argument("--save-at", type=int, default=0, help="also write a disk checkpoint at this step and stop")
+    ap.add_argument("--load", default="", help="start from this disk checkpoint folder (its 'latest')")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--sleep", type=float, default=0.0)
+    ap.add_argument("--host-tag", default="", help="(marks a host's processes for the bench)")
+    args = ap.parse_args()
+
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.pipe import PipelineModule
+
+    import pdv_ext
+    from pdv_ext.models import mlp_layers, seed_layer
+    from pdv_ext.policy.data import ElasticBatches
+
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    deepspeed.init_distributed(dist_backend="gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = world // 2
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4096, 64, generator=g)
+    y = (x @ torch.randn(64, 10, generator=g)).argmax(-1)
+    held_x, held_y = x[-512:], y[-512:]
+    model = PipelineModule(layers=mlp_layers(8, args.hidden, 64, 10), num_stages=2,
+                           loss_fn=torch.nn.CrossEntropyLoss(), seed_layers=True, seed_fn=seed_layer, base_seed=3)
+    pdv = {"placement": {"boundaries": [0, 4, 8], "rank_mapping": [list(range(dp)), list(range(dp, 2 * dp))]}}
+    if args.mode == "snapshots":
+        pdv["snapshots"] = {"root": args.root, "job": "bench-faults", "every": 1}
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 8 // dp, "steps_per_print": 10 ** 9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, "gradient_clipping": 1.0,
+           "pdv": pdv}
+    engine = pdv_ext.initialize(model=model, config=cfg, model_parameters=list(model.parameters()))[0]
+    t_ready = time.time()
+    data = ElasticBatches.for_engine(engine, (x[:-512], y[:-512]), seed=11)
+    t_resume = 0.0
+    if args.mode == "disk" or args.load:
+        t0 = time.time()
+        folder = args.load or args.root
+        engine.load_checkpoint(folder, missing_ok=True)
+        t_resume = time.time() - t0
+    elif engine.pdv_snapshots is not None:
+        t_resume = engine.pdv_snapshots.resumed.get("seconds", 0.0)
+    host = os.environ.get("PDV_HOST", "h")
+    last = args.save_at or args.steps
+    with open(os.path.join(args.out, f"{host}-rank{rank}.jsonl"), "a", encoding="utf-8") as log:
+        log.write(json.dumps({"attempt": attempt, "world": world, "start": int(engine.global_steps),
+                              "t_process": T_PROCESS, "t_ready": t_ready, "resume_s": t_resume,
+                              "master": [os.environ.get("MASTER_ADDR"), int(os.environ.get("MASTER_PORT", 0))]})
+                  + "\n")
+        while engine.global_steps < last:
+            loss = float(engine.train_batch(data_iter=data))
+            log.write(json.dumps({"attempt": attempt, "step": int(engine.global_steps), "loss": loss,
+                                  "t": time.time()}) + "\n")
+            log.flush()
+            step = int(engine.global_steps)
+            if args.mode == "disk" and step % args.ckpt_every == 0:
+                engine.save_checkpoint(args.root)
+            time.sleep(args.sleep)
+        if args.save_at:
+            engine.save_checkpoint(args.root, tag="switch")
+        held = ElasticBatches.for_engine(engine, (held_x, held_y), seed=0)
+        losses = [float(engine.eval_batch(data_iter=held)) for _ in range(4)]
+        log.write(json.dumps({"attempt": attempt, "held_out": sum(losses) / len(losses)}) + "\n")
+    engine.discard_snapshots()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
