@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 
 import deepspeed
@@ -109,7 +110,7 @@ def main() -> None:
             if engine.pdv_snapshots is not None:  # lost right after its snapshot of this step was written
                 engine.pdv_snapshots.wait()
             print(f"[demo] rank {rank}: simulated loss of this device after step {step}", flush=True)
-            os._exit(17)  # no clean-up, no goodbye: as a process on a lost device
+            os.kill(os.getpid(), signal.SIGKILL)  # no clean-up, no goodbye: as a process on a lost device
         mark_step(step)
         m = glue.last_metrics if glue is not None else {"step_time": time.perf_counter() - t0}
         eval_loss = None
