@@ -68,11 +68,13 @@ def default_env() -> Dict[str, str]:
     return env
 
 
-def remove_deepspeed_shm(port: int, addr: str = "127.0.0.1") -> List[str]:
-    """Remove the shared-memory workspaces DeepSpeed's CPU all-reduce (its shm comm op) made for the job on
-    addr:port: one of ~69 MB per rank in /dev/shm, which DeepSpeed never unlinks (a day of test runs left
-    8 GB of host memory there). Returns the paths removed. Call it once every rank of that job is gone."""
-    pattern = os.path.join("/dev/shm", f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{int(port)}_*")
+def remove_deepspeed_shm(port: int) -> List[str]:
+    """Remove the shared-memory workspaces DeepSpeed's CPU all-reduce (its shm comm op) made for the job whose
+    rendezvous port is `port`: one of ~69 MB per rank in /dev/shm, which DeepSpeed never unlinks (a day of
+    test runs left 8 GB of host memory there). The name holds the address as DeepSpeed resolved it
+    (127.0.0.1 for MASTER_ADDR=localhost), so any address matches. Returns the paths removed. Call it once
+    every rank of that job is gone."""
+    pattern = os.path.join("/dev/shm", f"deepspeed_allreduce_buffer_{os.getuid()}_*_{int(port)}_*")
     removed = []
     for path in glob.glob(pattern):
         try:
@@ -81,6 +83,20 @@ def remove_deepspeed_shm(port: int, addr: str = "127.0.0.1") -> List[str]:
         except OSError:
             pass
     return removed
+
+
+def kill_matching(marker: str) -> None:
+    """SIGKILL every process whose command line holds `marker` (e.g. a job's unique output folder): what
+    torchrun's agent started sits in sessions of its own, out of reach of the agent's process group."""
+    import psutil
+
+    for _ in range(3):  # again, for anything started while the first ones died
+        for q in psutil.process_iter(["cmdline"]):
+            if marker in " ".join(q.info["cmdline"] or []) and q.pid != os.getpid():
+                try:
+                    q.kill()
+                except psutil.Error:
+                    pass
 
 
 def run_ranks(target: str, world_size: int, kwargs: Optional[Dict[str, Any]] = None, timeout: float = 120.0,

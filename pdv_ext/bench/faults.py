@@ -31,26 +31,13 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
+from ..spawn import default_env, free_port, kill_matching, remove_deepspeed_shm
 from .common import check_ranges, emit, log, parser
 
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
 
 
-def _kill_matching(marker: str) -> None:
-    import psutil
-
-    for _ in range(3):
-        for q in psutil.process_iter(["cmdline"]):
-            if marker in " ".join(q.info["cmdline"] or []) and q.pid != os.getpid():
-                try:
-                    q.kill()
-                except psutil.Error:
-                    pass
-
-
 def _env() -> Dict[str, str]:
-    from ..spawn import default_env
-
     return {**os.environ, **default_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
@@ -72,8 +59,6 @@ def _read(out: str) -> Dict[str, List[Dict[str, Any]]]:
 def _lost_host(work: str, name: str, mode: str, steps: int, lose_at: int, ckpt_every: int, hidden: int,
                sleep: float, timeout: float) -> Dict[str, Any]:
     """Two agents, host B lost after step `lose_at`; returns the logs, the kill time and the wall time."""
-    from ..spawn import free_port
-
     out, root = os.path.join(work, name), os.path.join(work, f"{name}-root")
     os.makedirs(out)
     port = free_port()
@@ -91,7 +76,7 @@ def _lost_host(work: str, name: str, mode: str, steps: int, lose_at: int, ckpt_e
         while time.time() < deadline and t_kill is None:
             for lines in _read(out).values():
                 if any(e.get("step") == lose_at for e in lines if e.get("attempt") == 0):
-                    _kill_matching(f"--host-tag {name}-hostB")  # its agent, its workers ...
+                    kill_matching(f"--host-tag {name}-hostB")  # its agent, its workers ...
                     t_kill = time.time()
                     shutil.rmtree(os.path.join(root, "bench-faults", "hostB"), ignore_errors=True)  # ... its memory
                     break
@@ -102,7 +87,7 @@ def _lost_host(work: str, name: str, mode: str, steps: int, lose_at: int, ckpt_e
         if agents["hostA"].returncode != 0:
             raise RuntimeError(f"{name}: host A's agent exited with {agents['hostA'].returncode}: {err[-2000:]}")
     finally:
-        _kill_matching(out)
+        kill_matching(out)
         for p in agents.values():
             try:
                 p.wait(timeout=30)
@@ -114,8 +99,6 @@ def _lost_host(work: str, name: str, mode: str, steps: int, lose_at: int, ckpt_e
 def _reference(work: str, steps: int, lose_at: int, hidden: int, sleep: float, timeout: float) -> Dict[str, Any]:
     """4 workers to step `lose_at`, a disk checkpoint, then 2 workers from it: the same switch of plan without a
     failure."""
-    from ..spawn import free_port
-
     out, root = os.path.join(work, "reference"), os.path.join(work, "reference-root")
     os.makedirs(out)
     env = {**_env(), "PDV_HOST": "hostA"}
@@ -129,11 +112,11 @@ def _reference(work: str, steps: int, lose_at: int, hidden: int, sleep: float, t
             if p.returncode != 0:
                 raise RuntimeError(f"reference on {nproc} workers exited with {p.returncode}: {p.stderr[-2000:]}")
     finally:
-        _kill_matching(out)
+        kill_matching(out)
     return {"logs": _read(out), "wall_s": time.time() - t0}
 
 
-def _summary(run: Dict[str, Any], steps: int, lose_at: int) -> Dict[str, Any]:
+def _summary(run: Dict[str, Any], steps: int) -> Dict[str, Any]:
     """One lost-host run's figures (from host A's rank-0 log)."""
     lines = run["logs"]["hostA-rank0"]
     starts = [e for e in lines if "start" in e]
@@ -184,8 +167,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error(f"--only: unknown {', '.join(bad)} (reference, recovered, disk_restart)")
     work = tempfile.mkdtemp(prefix="pdv-bench-faults-")
     res: Dict[str, Any] = {"steps": args.steps, "lose_at": lose_at, "ckpt_every": args.ckpt_every}
+    runs: Dict[str, Any] = {}
     try:
-        runs: Dict[str, Any] = {}
         if "reference" in kinds:
             log("[bench faults] reference: 4 workers to the step, a disk checkpoint, 2 workers from it")
             runs["reference"] = _reference(work, args.steps, lose_at, args.hidden, args.sleep, args.timeout)
@@ -197,7 +180,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 log(f"[bench faults] {kind}: two hosts, host B lost after step {lose_at}")
                 runs[kind] = _lost_host(work, kind, mode, args.steps, lose_at, args.ckpt_every, args.hidden,
                                         args.sleep, args.timeout)
-                res[kind] = _summary(runs[kind], args.steps, lose_at)
+                res[kind] = _summary(runs[kind], args.steps)
         rec, disk = res.get("recovered"), res.get("disk_restart")
         if rec:
             res.update({k: rec[k] for k in ("completed", "steps_lost") if k in rec})
@@ -209,14 +192,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             if rec["step_s_before"] and disk["step_s_before"]:
                 res["snapshot_overhead"] = round(rec["step_s_before"] / disk["step_s_before"] - 1.0, 4)
     finally:
-        from ..spawn import remove_deepspeed_shm
-
-        for kind in ("reference", "recovered", "disk_restart"):  # DeepSpeed's CPU all-reduce workspaces
-            for lines in (locals().get("runs", {}).get(kind, {}).get("logs", {}) or {}).values():
-                for e in lines:
-                    if "master" in e and e["master"][1]:
-                        remove_deepspeed_shm(e["master"][1], "127.0.0.1")
-                        remove_deepspeed_shm(e["master"][1], e["master"][0] or "127.0.0.1")
+        for run in runs.values():  # DeepSpeed's CPU all-reduce workspaces of every attempt
+            for port in {e["master"][1] for lines in run["logs"].values() for e in lines if e.get("master")}:
+                remove_deepspeed_shm(port)
         shutil.rmtree(work, ignore_errors=True)
     emit(res, args.json)
     return 0

@@ -246,15 +246,23 @@ def _out_target(st, key, a, b, out):
     return st.out_segments(ko, out)
 
 
+def _combine_known(st, key, a, b, ca, cb, out) -> bool:
+    """The combination through a known layout's launch state `st` (None: not known); False when `ca`, `cb` or
+    `out` need the slow path."""
+    if st is None or not (_coefficient_ok(ca, st.n) and _coefficient_ok(cb, st.n)):
+        return False
+    target = _out_target(st, key, a, b, out)
+    if target is None:
+        return False
+    st.combine(ca, cb, *target)
+    return True
+
+
 def adasum_combine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ca: torch.Tensor, cb: torch.Tensor,
                    out: Optional[Sequence[torch.Tensor]] = None) -> List[torch.Tensor]:
     key = _pair_key(a, b) if out is not None and type(out) in (list, tuple) else None
-    st = _pair_launch(key)
-    if st is not None and _coefficient_ok(ca, st.n) and _coefficient_ok(cb, st.n):
-        target = _out_target(st, key, a, b, out)
-        if target is not None:
-            st.combine(ca, cb, *target)
-            return list(out)
+    if _combine_known(_pair_launch(key), key, a, b, ca, cb, out):
+        return list(out)
     a, sig = _first("a", a)
     b = _like("b", b, "a", sig)
     outs = None if out is None else _like("out", out, "a", sig)
@@ -306,13 +314,9 @@ class AdasumPair:
     def combine(self, ca: torch.Tensor, cb: torch.Tensor,
                 out: Optional[Sequence[torch.Tensor]] = None) -> List[torch.Tensor]:
         """adasum_combine(a, b, ca, cb, out)."""
-        st = self._st
-        if st is not None and out is not None and type(out) in (list, tuple) and _coefficient_ok(ca, st.n) \
-                and _coefficient_ok(cb, st.n):
-            target = _out_target(st, self._key, self.a, self.b, out)
-            if target is not None:
-                st.combine(ca, cb, *target)
-                return list(out)
+        if out is not None and type(out) in (list, tuple) and _combine_known(self._st, self._key, self.a, self.b,
+                                                                             ca, cb, out):
+            return list(out)
         return adasum_combine(self.a, self.b, ca, cb, out)
 
 

@@ -4,30 +4,23 @@ restart equal those of the same job run without the crash, bit for bit (fp32).""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from pdv_ext.spawn import remove_deepspeed_shm
+from pdv_ext.spawn import free_port, kill_matching, remove_deepspeed_shm
 
 pytestmark = [pytest.mark.integration]
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(tmp, name, *extra):
     out, shm = tmp / name, tmp / f"{name}-shm"
     out.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=4", "--max-restarts=1",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--monitor-interval=0.5",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.5",
            os.path.join(HERE, "torchrun_job.py"), "--out", str(out), "--shm", str(shm), *extra]
     # a fresh rendezvous store for every restart (docs/recovery.md: torchrun's shared store keeps the last
     # attempt's process-group addresses, and the restarted workers connect to ports that are gone)
@@ -41,8 +34,8 @@ def _torchrun(tmp, name, *extra):
     for r in range(4):
         with open(out / f"h-rank{r}.jsonl", encoding="utf-8") as f:
             logs[r] = [json.loads(line) for line in f]
-    for addr, port in {tuple(e["master"]) for lines in logs.values() for e in lines if "master" in e}:
-        remove_deepspeed_shm(port, addr)  # every attempt's workers are gone
+    for port in {e["master"][1] for lines in logs.values() for e in lines if "master" in e}:
+        remove_deepspeed_shm(port)  # every attempt's workers are gone
     return logs
 
 
@@ -60,20 +53,6 @@ def test_crashed_worker_resumes_from_snapshots(tmp_path):
     assert not os.listdir(tmp_path / "crash-shm"), "the finished job left its snapshots in host memory"
 
 
-def _kill_matching(marker: str) -> None:
-    """SIGKILL every process whose command line holds `marker` (an agent's, its workers': torchrun starts
-    the workers in sessions of their own, so the agent's process group does not reach them)."""
-    import psutil
-
-    for _ in range(3):  # again, for anything started while the first ones died
-        for q in psutil.process_iter(["cmdline"]):
-            if marker in " ".join(q.info["cmdline"] or []) and q.pid != os.getpid():
-                try:
-                    q.kill()
-                except psutil.Error:
-                    pass
-
-
 @pytest.mark.timeout(600)
 def test_lost_host_under_elastic_agents(tmp_path):
     """A host lost for good under torchrun's elastic agent (issue #37, items 1-3 on one machine): two agents,
@@ -86,7 +65,7 @@ def test_lost_host_under_elastic_agents(tmp_path):
     ref = _torchrun(tmp_path, "calm", "--steps", "12")
     out, shm = tmp_path / "lost", tmp_path / "lost-shm"
     out.mkdir()
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     args = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=2",
@@ -109,12 +88,12 @@ def test_lost_host_under_elastic_agents(tmp_path):
             time.sleep(0.05)
         else:
             pytest.fail("host B never reached step 4")
-        _kill_matching(f"--host-tag hostB")  # the host is gone: its agent, its workers, its memory
+        kill_matching("--host-tag hostB")  # the host is gone: its agent, its workers, its memory
         shutil.rmtree(shm / "torchrun-test" / "hostB", ignore_errors=True)
         _, err = agents["hostA"].communicate(timeout=300)
         assert agents["hostA"].returncode == 0, err[-4000:]
     finally:
-        _kill_matching(str(out))
+        kill_matching(str(out))
         for p in agents.values():
             p.wait(timeout=30)
     logs = {}
@@ -130,8 +109,8 @@ def test_lost_host_under_elastic_agents(tmp_path):
         # pipe 2 x data 1 sums the gradients in another order than 2 x 2: equal to rounding (bit for bit against
         # a run that switches plans at the same step: test_snapshots.py)
         assert all(after[s] == pytest.approx(calm[s], rel=1e-5) for s in after), (after, calm)
-    for addr, port_ in {tuple(e["master"]) for lines in logs.values() for e in lines if "master" in e}:
-        remove_deepspeed_shm(port_, addr)
+    for port_ in {e["master"][1] for lines in logs.values() for e in lines if "master" in e}:
+        remove_deepspeed_shm(port_)
 
 
 @pytest.mark.timeout(400)
