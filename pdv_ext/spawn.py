@@ -104,8 +104,31 @@ def run_ranks(target: str, world_size: int, kwargs: Optional[Dict[str, Any]] = N
               quiet: bool = True) -> List[Any]:
     """Run `target` ("module:function", called as `fn(**kwargs)`) on `world_size` ranks; return the
     per-rank results. torch.distributed is *not* initialised for you (DeepSpeed does it; or call
-    `init_torch_distributed()`)."""
-    port = free_port()
+    `init_torch_distributed()`).
+
+    A free port can be taken by another process between `free_port()` and rank 0's store listening on it
+    (seen with tests in parallel: EADDRINUSE); the ranks then fail before any collective, and the run is
+    started again on another port (at most `PORT_TRIES` times)."""
+    for attempt in range(PORT_TRIES):
+        try:
+            return _run_ranks_once(target, world_size, kwargs, timeout, env, per_rank_env, quiet, free_port())
+        except RankFailed as e:
+            if not _port_taken(str(e)) or attempt == PORT_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+PORT_TRIES = 3
+
+
+def _port_taken(failure: str) -> bool:
+    """Whether a failed run's rank logs show its rendezvous port taken by someone else."""
+    return "EADDRINUSE" in failure or "address already in use" in failure.lower()
+
+
+def _run_ranks_once(target: str, world_size: int, kwargs: Optional[Dict[str, Any]], timeout: float,
+                    env: Optional[Dict[str, str]], per_rank_env: Optional[Sequence[Dict[str, str]]], quiet: bool,
+                    port: int) -> List[Any]:
     with tempfile.TemporaryDirectory(prefix="pdv-ranks-") as tmp:
         with open(os.path.join(tmp, "kwargs.pkl"), "wb") as f:
             pickle.dump(kwargs or {}, f)

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional
 from .common import emit, log, parser
 
 DEFAULTS = dict(layers=8, hidden=1024, heads=16, seq_len=256, micro_batch=8, micro_batches=4)
+CLIPPING = 1.0  # the training config's gradient clipping (launch/configs/demo.json), which the engine's cost includes
 QUICK = dict(layers=2, hidden=64, heads=4, seq_len=32, micro_batch=4, micro_batches=2)
 
 
@@ -75,7 +76,7 @@ def measured_step(model: Dict[str, int], stages: int = 1, plan: Optional[Dict[st
     cfg = {"train_micro_batch_size_per_gpu": model["micro_batch"],
            "gradient_accumulation_steps": model["micro_batches"],
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-           "gradient_clipping": 1.0, "steps_per_print": 10 ** 9, "log_level": "error",
+           "gradient_clipping": CLIPPING, "steps_per_print": 10 ** 9, "log_level": "error",
            "pdv": {"placement": plan} if plan else {}}
     engine, _, _, _ = pdv_ext.initialize(model=module, config=cfg, model_parameters=module.parameters())
     ids = torch.randint(0, 256, (model["micro_batch"], model["seq_len"]))
@@ -108,8 +109,9 @@ def run(model: Dict[str, int], device: str, stages: int = 1, reps: int = 5, engi
     for r in range(rounds):
         log(f"[bench profile] round {r + 1}/{rounds}: profiling {model['layers']} blocks on {device}")
         prof = gpt_profile(model, device, reps, engine=False)
-        if engine and r == 0:
-            overhead = engine_overhead(len(prof))  # DeepSpeed's own work, timed once for every round
+        if engine and r == 0:  # DeepSpeed's own work, timed once for every round, on the profiled device
+            overhead = engine_overhead(len(prof), device=device, clipping=CLIPPING,
+                                       tensors_per_layer=prof.meta.get("param_tensors"))
         prof.engine = overhead
         layer_way = gpt_profile(model, device, reps, timing="layer", calibrate=False, engine=False)
         layer_way.engine = overhead
