@@ -133,6 +133,12 @@ def load_scenario(path: str):
         raise ConfigError([f"{path}: {e}" for e in errors])
     spec = from_cluster(cluster)
     events = load_timeline(cluster.spec.events, cluster_path, path, spec, total_steps=run.steps)
+    from ..emulate.events import faults
+
+    if faults(events):
+        raise ConfigError([f"{path}: events: a host or a device goes down: that is a fault scenario, which "
+                           "`pdv bench adapt` (slowdowns) does not run; run its events under `pdv emulate` "
+                           "(docs/recovery.md)"])
     return sc, cluster, cluster_path, spec, events
 
 
@@ -146,7 +152,7 @@ def final_throughputs(cluster, events) -> List[float]:
     speeds = [float(d.throughput) for d in cluster.devices]
     names = [d.name for d in cluster.devices]
     for e in events:
-        if isinstance(e, DeviceEvent):
+        if isinstance(e, DeviceEvent) and e.throughput is not None:  # a fault changes no speed
             speeds[names.index(e.device)] = float(e.throughput)
     return speeds
 

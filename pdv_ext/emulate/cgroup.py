@@ -137,6 +137,10 @@ class CpuGroups:
     def procs_file(self, i: int) -> str:
         return os.path.join(self.paths[i], "cgroup.procs")
 
+    def kill(self, i: int, timeout: float = 10.0) -> None:
+        """Device i stops: every process in its group dies at once (SIGKILL), the group stays."""
+        kill_all(self.paths[i], time.monotonic() + timeout)
+
     def remove(self) -> None:
         remove_tree(self.parent)
 
@@ -154,6 +158,23 @@ def _pids(path: str) -> List[int]:
         return []
 
 
+def kill_all(d: str, deadline: float) -> None:
+    """SIGKILL every process in group `d` until none is left (what a process forks meanwhile is killed too:
+    it is born in the same group)."""
+    while True:
+        pids = _pids(d)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if time.monotonic() > deadline:
+            raise CgroupError(f"processes {pids} in {d} would not die")
+        time.sleep(0.05)
+
+
 def remove_tree(path: str, timeout: float = 10.0) -> None:
     """Kill every process in the group tree, then remove the groups bottom-up."""
     if not os.path.isdir(path):
@@ -161,18 +182,7 @@ def remove_tree(path: str, timeout: float = 10.0) -> None:
     dirs = [d for d, _, _ in os.walk(path)][::-1]  # children before parents
     deadline = time.monotonic() + timeout
     for d in dirs:
-        while True:
-            pids = _pids(d)
-            if not pids:
-                break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            if time.monotonic() > deadline:
-                raise CgroupError(f"processes {pids} in {d} would not die")
-            time.sleep(0.05)
+        kill_all(d, deadline)
         while True:
             try:
                 os.rmdir(d)

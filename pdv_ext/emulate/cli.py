@@ -5,6 +5,11 @@ bridge, with tc-shaped links and a CPU quota proportional to the device's speed 
 cgroup.py), and plays the cluster's events (its `events:` and --events FILE) while the ranks run.
 Exit code: the first failing rank's, 124 on timeout, 2 when emulation is unavailable or the input is
 bad, 1 when an event could not be applied.
+
+With fault events (`{at_step: 30, host: hostB, down: true}`, a device `down`, either coming back with
+`down: false`) or `--elastic`, each device runs COMMAND under its own torchrun agent (elastic.py): the job is
+restarted on the devices that are left, as under torchrun on a real cluster; the run succeeds when every
+agent that was not killed by an event ends with 0.
 """
 from __future__ import annotations
 
@@ -42,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--total-steps", type=int, default=None, metavar="N",
                     help="the run's training steps, for events placed 'at_fraction' of the run (events 'at_step' "
                          "need a rank to report its steps: pdv_ext.emulate.events.mark_step)")
+    ap.add_argument("--elastic", action="store_true",
+                    help="run each device's COMMAND under a torchrun agent even without fault events (with them "
+                         "it always is)")
     ap.add_argument("--run-name", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dry-run", action="store_true",
                     help="print the namespaces, addresses, rates, quotas and the timeline of events")
@@ -60,6 +68,11 @@ def describe(em: "launcher.Emulation") -> str:
             if i != j:
                 lines.append(f"link {i}->{j}: {spec.bandwidth[i][j] * 8 / 1e6:.1f} Mbit/s, "
                              f"{spec.latency[i][j] * 1e6:.0f} us")
+    if em.elastic:
+        from .elastic import STORE_IP, STORE_PORT
+
+        lines.append(f"supervision: a torchrun agent per device, rendezvous store at {STORE_IP}:{STORE_PORT} "
+                     "(a host of its own); ranks follow the rendezvous, each worker's device is PDV_DEVICE_NAME")
     lines.append(describe_timeline(em))
     return "\n".join(lines)
 
@@ -104,7 +117,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         em = launcher.Emulation(spec, command, timeout=args.timeout, cpu_budget=args.cpu_budget,
                                 top_share=args.top_share, run_name=args.run_name, events=events,
                                 events_log=args.events_log, events_clock=args.events_clock,
-                                total_steps=args.total_steps)
+                                total_steps=args.total_steps, elastic=True if args.elastic else None)
     except ConfigError as exc:  # one line per problem, each naming its file and key (an event: its index)
         for line in exc.errors:
             print(f"pdv emulate: {line}", file=sys.stderr)

@@ -8,6 +8,12 @@ Three kinds of event, each at a time after the timeline's zero (see `mark_start`
     - {at_step: 32, device: slow0, throughput: 0.33}          # once the job's 32nd step has finished
     - {at_fraction: 0.4, device: slow0, throughput: 0.33}     # at 40% of the run's steps (it declares them)
 
+and faults, which run the job under torchrun's elastic agents (one per device, `launcher.Emulation`)::
+
+    - {at_step: 30, host: hostB, down: true}      # every process of hostB's devices killed, its memory wiped
+    - {at_step: 30, device: d3, down: true}       # one device stops
+    - {at_step: 60, host: hostB, down: false}     # it comes back (empty) and joins the job again
+
 `throughput` is relative, like the cluster YAML's; rates and latencies take the cluster YAML's units
 (`placement.cluster.parse_quantity`); `at` is seconds or "500ms", "40s", "1.5min", "2h". When an event happens
 is the base class's (`_Event`): exactly one of `at`, `at_step` or `at_fraction`, so every kind of event (a
@@ -28,7 +34,7 @@ import re
 from typing import Any, ClassVar, List, Literal, Optional, Sequence, Tuple, Union
 
 import yaml
-from pydantic import Field, PrivateAttr, ValidationError, field_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from ..config_base import ConfigError, StrictModel, format_errors
 from ..placement.cluster import parse_quantity
@@ -135,16 +141,48 @@ class _Event(StrictModel):
 
 
 class DeviceEvent(_Event):
-    """The device's live CPU quota becomes `throughput` x the cores per unit of throughput of the start."""
+    """The device's live CPU quota becomes `throughput` x the cores per unit of throughput of the start; or,
+    with `down: true`, the device stops: every process on it is killed (SIGKILL, no warning), and with
+    `down: false` it comes back (a new torchrun agent joins the job)."""
 
     kind: ClassVar[str] = "device"
     device: str
-    throughput: float = Field(gt=0, allow_inf_nan=False)
+    throughput: Optional[float] = Field(default=None, gt=0, allow_inf_nan=False)
+    down: Optional[bool] = None
     _thr = field_validator("throughput", mode="before")(_relative)
+
+    @model_validator(mode="after")
+    def _one_change(self) -> "DeviceEvent":
+        if (self.throughput is None) == (self.down is None):
+            raise ValueError("a device event needs exactly one of 'throughput' (a slowdown) or 'down' (true: the "
+                             "device stops, false: it comes back)")
+        return self
 
     @property
     def target(self) -> str:
         return self.device
+
+    @property
+    def fault(self) -> bool:
+        return self.down is not None
+
+
+class HostEvent(_Event):
+    """`down: true`: the host is lost - every process of its devices is killed at once, its memory (the
+    folder the emulator gives it, `PDV_HOST_MEMORY`) is wiped and its uplink goes down; `down: false`: it
+    comes back, empty, and its devices join the job again."""
+
+    kind: ClassVar[str] = "host"
+    host: str
+    down: bool
+
+    @property
+    def target(self) -> str:
+        return self.host
+
+    @property
+    def fault(self) -> bool:
+        return True
 
 
 class _RateEvent(_Event):
@@ -183,8 +221,8 @@ class LinkEvent(_RateEvent):
         return self.link
 
 
-Event = Union[DeviceEvent, PairEvent, LinkEvent]
-_MODELS = {"device": DeviceEvent, "pair": PairEvent, "link": LinkEvent}
+Event = Union[DeviceEvent, PairEvent, LinkEvent, HostEvent]
+_MODELS = {"device": DeviceEvent, "pair": PairEvent, "link": LinkEvent, "host": HostEvent}
 _EXAMPLE = "{at: 40s, device: slow0, throughput: 0.33}"
 
 
@@ -212,7 +250,7 @@ def _parse(items: Any, source: str) -> Tuple[List[Event], List[str]]:
         kinds = [k for k in _MODELS if k in item]
         if len(kinds) != 1:
             what = "has " + " and ".join(repr(k) for k in kinds) if kinds else f"has keys {sorted(map(str, item))}"
-            errors.append(f"{where}: an event needs exactly one of 'device', 'pair' or 'link' ({what})")
+            errors.append(f"{where}: an event needs exactly one of 'device', 'pair', 'link' or 'host' ({what})")
             continue
         whens = [k for k in WHEN_KEYS if k in item]
         if len(whens) != 1:
@@ -349,8 +387,11 @@ def _known(names: List[str], bad: str) -> str:
 
 
 def check(events: Sequence[Event], spec: EmuSpec) -> None:
-    """ConfigError naming each event whose device, pair or link class the emulated cluster does not have."""
+    """ConfigError naming each event whose device, pair, link class or host the emulated cluster does not
+    have, and each fault out of order (`fault_errors`)."""
     errors = _check(events, spec)
+    if not errors:
+        errors = fault_errors(events, spec)
     if errors:
         raise ConfigError(errors)
 
@@ -364,6 +405,11 @@ def _check(events: Sequence[Event], spec: EmuSpec) -> List[str]:
         if isinstance(e, DeviceEvent):
             if e.device not in known:
                 errors.append(f"{e.origin}.device: unknown device '{e.device}'{_known(names, e.device)}")
+        elif isinstance(e, HostEvent):
+            if e.host not in hosts:
+                listed = sorted(set(hosts))
+                hint = did_you_mean(e.host, listed)
+                errors.append(f"{e.origin}.host: unknown host '{e.host}'{hint}; known hosts: {', '.join(listed)}")
         elif isinstance(e, PairEvent):
             bad = [(end, n) for end, n in (("a", e.pair.a), ("b", e.pair.b)) if n not in known]
             for end, n in bad:
@@ -429,3 +475,31 @@ def read_step(path: Optional[str]) -> Optional[int]:
             return int(f.read(64).strip())
     except (OSError, ValueError):
         return None
+
+
+def faults(events: Sequence[Event]) -> bool:
+    """Whether the timeline stops (or brings back) a device or host: the run then needs elastic supervision."""
+    return any(getattr(e, "fault", False) for e in events)
+
+
+def fault_errors(events: Sequence[Event], spec: EmuSpec) -> List[str]:
+    """Faults that make no sense in order: a device or host brought down twice, or back when it was not down,
+    or every device down at once (nothing left to train)."""
+    down: set = set()
+    errors: List[str] = []
+    for e in events:
+        if not getattr(e, "fault", False):
+            continue
+        devs = ([d.name for d in spec.devices if d.host == e.host] if isinstance(e, HostEvent) else [e.device])
+        what = f"host '{e.host}'" if isinstance(e, HostEvent) else f"device '{e.device}'"
+        if e.down and all(d in down for d in devs):
+            errors.append(f"{e.origin}.down: {what} is already down at {e.when}")
+        elif not e.down and not any(d in down for d in devs):
+            errors.append(f"{e.origin}.down: {what} is not down at {e.when}, so it cannot come back")
+        if e.down:
+            down.update(devs)
+        else:
+            down.difference_update(devs)
+        if len(down) == len(spec.devices):
+            errors.append(f"{e.origin}: every device is down at {e.when}: nothing is left to train")
+    return errors

@@ -25,7 +25,8 @@ from typing import BinaryIO, Dict, List, Optional, Sequence
 
 from ..spawn import default_env, kill_group
 from . import cgroup, netns
-from .events import CLOCKS, MARK_ENV, STEP_ENV, Event, by_step, resolve_steps, timeline
+from . import elastic as el
+from .events import CLOCKS, MARK_ENV, STEP_ENV, Event, by_step, faults, resolve_steps, timeline
 from .events import check as check_events
 from .player import EventError, EventPlayer
 from .spec import EmuSpec, device_ip
@@ -69,7 +70,7 @@ class Emulation:
                  run_name: Optional[str] = None, env: Optional[Dict[str, str]] = None,
                  out: Optional[BinaryIO] = None, grace: float = 2.0, log=None,
                  events: Optional[Sequence[Event]] = None, events_log: Optional[str] = None,
-                 events_clock: str = "launch", total_steps: Optional[int] = None):
+                 events_clock: str = "launch", total_steps: Optional[int] = None, elastic: Optional[bool] = None):
         self.spec = spec
         self.command = list(command)
         self.timeout = timeout
@@ -92,6 +93,17 @@ class Emulation:
         self.by_step = by_step(self.events)
         check_events(self.events, spec)
         self.changes: List[Change] = Weather(spec, self.cores).plan(self.events)
+        # faults need elastic supervision (elastic.py): torchrun's agents, one per device
+        self.elastic = faults(self.events) if elastic is None else bool(elastic)
+        if self.elastic and len(spec.hosts) > 255:
+            raise ValueError(f"{len(spec.hosts)} hosts: an elastic run needs the address of the 256th host for its "
+                             "rendezvous store (at most 255 hosts)")
+        self.agents: Dict[int, subprocess.Popen] = {}  # elastic: each device's current agent
+        self.stopped: set = set()  # elastic: devices down (their agents were killed by an event)
+        self.returned: set = set()  # elastic: devices whose agent an event started again
+        self.forgiven: set = set()  # ... of which the agent came back after the job had ended
+        self._late: Dict[int, float] = {}
+        self._store: Optional[subprocess.Popen] = None
         if events_log is not None and not os.path.isdir(os.path.dirname(os.path.abspath(events_log))):
             raise ValueError(f"events log {events_log}: directory {os.path.dirname(os.path.abspath(events_log))} "
                              "does not exist")
@@ -123,9 +135,15 @@ class Emulation:
         """The file `events.mark_step()` writes rank 0's finished steps to (a step timeline), or None."""
         return os.path.join(self._mark_dir, "step") if self._mark_dir and self.by_step else None
 
+    def host_memory(self, host: str) -> str:
+        """An elastic run's host memory (PDV_HOST_MEMORY): wiped when the host is lost."""
+        return os.path.join(el.memory_root(self.name), host)
+
     def setup(self) -> None:
         self.net = netns.Network(self.spec, self.name)
         self.net.create()
+        if self.elastic:
+            self.net.add_store_host(el.STORE_IP)
         if not self.net.netem:
             self.log("kernel has no sch_netem: link latencies are not emulated (bandwidths are)")
         self.groups = cgroup.CpuGroups(self.name, self.cores)
@@ -147,21 +165,66 @@ class Emulation:
             self.net.set_uplink_rate(k, q, bw)
         if c.delays and not all(self.net.set_delay(i, j, d) for i, j, d in c.delays):
             notes.append("latency not emulated (the kernel has no sch_netem)")
+        for i in c.down:  # a device stops: everything on it dies at once, its agent and its worker
+            with self._lock:
+                self.stopped.add(i)
+                agent = self.agents.get(i)
+            if agent is not None:
+                kill_group(agent)
+            self.groups.kill(i)
+        for k in c.hosts_down:  # ... and a lost host's memory and links with it
+            shutil.rmtree(self.host_memory(self.spec.hosts[k]), ignore_errors=True)
+            self.net.set_host_link(k, False)
+        for k in c.hosts_up:
+            self.net.set_host_link(k, True)
+        for i in c.up:
+            with self._lock:
+                self.stopped.discard(i)
+                self.returned.add(i)
+                self._start_agent(i)
         return notes
 
+    def _start_agent(self, i: int) -> None:
+        """Device i's torchrun agent (elastic runs) in its namespace; its worker in the device's CPU group."""
+        spec = self.spec
+        restarts = 3 + sum(len(c.down) for c in self.changes)  # every membership change restarts the workers
+        cmd = el.agent_command(self.command, el.fewest_left(len(spec.devices), self.changes), len(spec.devices),
+                               device_ip(spec, i), self.name, restarts, self.groups.procs_file(i))
+        mem = self.host_memory(spec.devices[i].host)
+        os.makedirs(mem, exist_ok=True)
+        # nsenter, not `ip netns exec`: that one remounts /sys for the namespace, where the worker could no
+        # longer reach its CPU group's file
+        p = subprocess.Popen(["nsenter", f"--net=/run/netns/{self.net.dev_ns[i]}", *cmd],
+                             env=el.agent_env(self.rank_env(i), mem), stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        self.agents[i] = p
+        self.procs.append(p)
+        threading.Thread(target=self._pump, args=(f"[{spec.devices[i].name}] ", p.stdout), daemon=True).start()
+
     def launch(self) -> None:
+        if self.elastic:
+            self._store = subprocess.Popen(["ip", "netns", "exec", self.net.store_ns, *el.store_command()],
+                                           env={**os.environ, **default_env()}, stdin=subprocess.DEVNULL,
+                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            self.procs.append(self._store)
+            threading.Thread(target=self._pump, args=("[store] ", self._store.stdout), daemon=True).start()
+            for i in range(len(self.spec.devices)):
+                self._start_agent(i)
+            if self.player is not None:
+                self.player.start(time.monotonic())
+            return
         for i in range(len(self.spec.devices)):
             wrapper = ["sh", "-c", 'echo $$ > "$0" && ns="$1" && shift && exec ip netns exec "$ns" "$@"',
                        self.groups.procs_file(i), self.net.dev_ns[i], *self.command]
             p = subprocess.Popen(wrapper, env=self.rank_env(i), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, start_new_session=True)
             self.procs.append(p)
-            threading.Thread(target=self._pump, args=(i, p.stdout), daemon=True).start()
+            threading.Thread(target=self._pump, args=(f"[rank {i}] ", p.stdout), daemon=True).start()
         if self.player is not None:
             self.player.start(time.monotonic())
 
-    def _pump(self, i: int, stream) -> None:
-        prefix = f"[rank {i}] ".encode()
+    def _pump(self, label: str, stream) -> None:
+        prefix = label.encode()
         for line in iter(stream.readline, b""):
             with self._lock:
                 try:
@@ -171,7 +234,56 @@ class Emulation:
                     pass
         stream.close()
 
+    def _wait_elastic(self) -> int:
+        """An elastic run ends when every device's agent has ended; agents killed by a fault do not count.
+        The first other agent that fails stops the run after `grace`."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        first: Optional[tuple] = None
+        while True:
+            if self.player is not None and self.player.error:
+                self.log("stopping the run: an event could not be applied")
+                raise EventError(self.player.error)
+            with self._lock:
+                live = {i: p.poll() for i, p in self.agents.items() if i not in self.stopped}
+            # the job is over when every agent that did not come back mid-run has ended well
+            stayed = [c for j, c in live.items() if j not in self.returned]
+            job_over = bool(stayed) and all(c == 0 for c in stayed)
+            for i, c in live.items():
+                if c not in (None, 0) and i in self.returned and i not in self.forgiven:
+                    # an agent that came back finds the rendezvous closed when the job ended meanwhile (as on a
+                    # real cluster): not a failure of the job, once every other agent has ended well
+                    since = self._late.setdefault(i, time.monotonic())
+                    if job_over:
+                        self.forgiven.add(i)
+                        self.log(f"{self.spec.devices[i].name} came back after the job had ended (exit {c}: its "
+                                 "rendezvous was closed); not counted")
+                    elif time.monotonic() - since < self.grace:
+                        live[i] = None  # wait a little for the others to end
+            live = {i: (0 if i in self.forgiven else c) for i, c in live.items()}
+            if first is None:
+                for i, c in live.items():
+                    if c not in (None, 0):
+                        first = (i, c)
+                        self.log(f"the agent of {self.spec.devices[i].name} exited with {c}; stopping the others "
+                                 f"in {self.grace:.0f}s")
+                        deadline = min(deadline or float("inf"), time.monotonic() + self.grace)
+                        break
+            if all(c is not None for c in live.values()):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                if first is None:
+                    self.log(f"timed out after {self.timeout:.0f}s")
+                    return TIMEOUT_EXIT
+                break
+            time.sleep(0.05)
+        if first is None:
+            return 0
+        self.failed_rank = first[0]
+        return 128 - first[1] if first[1] < 0 else first[1]
+
     def wait(self) -> int:
+        if self.elastic:
+            return self._wait_elastic()
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         first: Optional[tuple] = None  # (rank, code)
         while True:
@@ -208,6 +320,8 @@ class Emulation:
             self.player.stop()  # returns with no change in flight: nothing is written to what is removed next
         if self._mark_dir:
             shutil.rmtree(self._mark_dir, ignore_errors=True)
+        if self.elastic:
+            shutil.rmtree(el.memory_root(self.name), ignore_errors=True)
         for p in self.procs:
             kill_group(p)
         det = cgroup.detect()
@@ -260,6 +374,9 @@ def cleanup_stale(log=print) -> int:
         cgroup.remove_tree(g)
     tmp = tempfile.gettempdir()
     marks = [os.path.join(tmp, n) for n in sorted(os.listdir(tmp)) if netns.STALE_RE.match(n) and "-mark-" in n]
+    mem = os.path.dirname(el.memory_root("pdv-000000"))  # elastic runs' host memory
+    marks += [os.path.join(mem, n) for n in sorted(os.listdir(mem))
+              if netns.STALE_RE.match(n) and n.endswith("-memory")]
     for m in marks:
         shutil.rmtree(m, ignore_errors=True)
     for item in names + groups + marks:

@@ -83,6 +83,7 @@ class Network:
         self.spec = spec
         self.name = run_name
         self.sw = f"{run_name}-sw"
+        self.store_ns = f"{run_name}-st"  # a host of its own for a rendezvous store (`add_store_host`)
         self.host_ns = [f"{run_name}-h{k}" for k in range(len(spec.hosts))]
         self.dev_ns = [f"{run_name}-d{i}" for i in range(len(spec.devices))]
         self.created: List[str] = []
@@ -125,6 +126,20 @@ class Network:
             self._shape_device(i)
         for k in range(len(spec.hosts)):
             self._shape_uplink(k)
+
+    def add_store_host(self, address: str) -> None:
+        """A namespace on the core switch with `address`, outside every emulated host (its traffic is not
+        shaped): where an elastic run's rendezvous store lives, so that losing any host leaves it standing."""
+        self._add_ns(self.store_ns)
+        run("ip", "-n", self.store_ns, "link", "add", "eth0", "mtu", str(MTU), "type", "veth", "peer", "name", "st0",
+            "netns", self.sw)
+        run("ip", "-n", self.sw, "link", "set", "st0", "mtu", str(MTU), "master", "br0", "up")
+        run("ip", "-n", self.store_ns, "addr", "add", f"{address}/16", "dev", "eth0")
+        run("ip", "-n", self.store_ns, "link", "set", "eth0", "up")
+
+    def set_host_link(self, k: int, up: bool) -> None:
+        """Host k's uplink to the core switch up or down (a lost host's links drop)."""
+        run("ip", "-n", self.host_ns[k], "link", "set", "up0", "up" if up else "down")
 
     @property
     def netem(self) -> bool:

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..config_base import ConfigError
 from . import cgroup
-from .events import DeviceEvent, Event, LinkEvent, PairEvent
+from .events import DeviceEvent, Event, HostEvent, LinkEvent, PairEvent
 from .netns import uplink_bandwidth
 from .spec import EmuSpec
 
@@ -35,6 +35,10 @@ class Change:
     rates: List[Tuple[int, int, float]] = field(default_factory=list)  # (from device, to device, bytes/s)
     delays: List[Tuple[int, int, float]] = field(default_factory=list)  # (from device, to device, seconds)
     uplinks: List[Tuple[int, int, float]] = field(default_factory=list)  # (from host, to host, bytes/s)
+    down: List[int] = field(default_factory=list)  # devices that stop (every process on them killed)
+    up: List[int] = field(default_factory=list)  # devices that come back (a new agent each)
+    hosts_down: List[int] = field(default_factory=list)  # hosts lost: uplink down, memory wiped
+    hosts_up: List[int] = field(default_factory=list)  # hosts back: uplink up (memory empty)
 
     @property
     def kind(self) -> str:
@@ -74,6 +78,8 @@ class Weather:
     def change(self, index: int, event: Event) -> Change:
         """What `event` changes from the current state (the state itself is not touched: see `commit`).
         ValueError when the result is outside what the kernel can hold."""
+        if isinstance(event, (DeviceEvent, HostEvent)) and event.fault:
+            return self._fault(index, event)
         if isinstance(event, DeviceEvent):
             return self._device(index, event)
         if isinstance(event, PairEvent):
@@ -97,6 +103,21 @@ class Weather:
                 before["pairs"] = apart
             return self._pairs(index, event, pairs, before, f"link {event.link}")
         raise TypeError(f"not an event: {event!r}")
+
+    def _fault(self, index: int, e: Any) -> Change:
+        """A device or a host stopping or coming back (which devices; `check` ruled out nonsense orders)."""
+        if isinstance(e, HostEvent):
+            devs = [i for i, d in enumerate(self.spec.devices) if d.host == e.host]
+            hosts = [self.spec.hosts.index(e.host)]
+            what = f"host {e.host} ({', '.join(self.names[i] for i in devs)})"
+        else:
+            devs, hosts, what = [self.names.index(e.device)], [], f"device {e.device}"
+        text = f"{what} " + ("down: its processes killed" + (", its memory wiped, its uplink down" if hosts else "")
+                             if e.down else "back: a new agent joins the job")
+        before, after = {"down": not e.down}, {"down": e.down}
+        if e.down:
+            return Change(index, e, before, after, text, down=devs, hosts_down=hosts)
+        return Change(index, e, before, after, text, up=devs, hosts_up=hosts)
 
     def _device(self, index: int, e: DeviceEvent) -> Change:
         i = self.names.index(e.device)

@@ -13,7 +13,8 @@ scenarios, such as `../clusters/emulated_4dev.yaml`, keep working):
     my_aggregator.py   an aggregator plugin template (NormFilteredMean) } configs/my_plugins.json
     configs/           demo.json, placement.json, recovery.json, horovod.yaml, my_plugins.json
     clusters/          cluster YAMLs (emulated_4dev.yaml, emulated_4equal.yaml, homogeneous.yaml, ...)
-    scenarios/         `pdv bench adapt` scenarios (cluster + run shape + events)
+    scenarios/         `pdv bench adapt` scenarios (cluster + run shape + events); host_loss.yaml and
+                       device_loss.yaml: faults for `pdv emulate` (docs/recovery.md)
 
 This module imports nothing heavy: `pdv example` lists and copies without torch.
 """
@@ -37,7 +38,7 @@ EXAMPLES: Dict[str, Example] = {
     "minimal": Example(["minimal.py"], "the complete minimal program of the getting-started page (2 CPU ranks)",
                        "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu deepspeed --num_gpus 2 minimal.py --steps 5"),
     "train_gpt": Example(["train_gpt.py", "configs/demo.json", "configs/placement.json", "configs/recovery.json",
-                          "clusters/emulated_4dev.yaml"],
+                          "clusters/emulated_4dev.yaml", "scenarios/host_loss.yaml", "scenarios/device_loss.yaml"],
                          "the main job: a byte-level GPT as a DeepSpeed pipeline, pipe x data, with its configs",
                          "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu deepspeed --num_gpus 4 train_gpt.py "
                          "--deepspeed_config configs/demo.json --steps 20"),

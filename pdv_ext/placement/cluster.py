@@ -239,6 +239,14 @@ class Cluster:
         d["reference_throughput"] = self.reference  # speeds stay relative to the whole cluster's reference
         return Cluster.from_dict(d, source=source)
 
+    def devices_named(self, names: Sequence[Optional[str]]) -> Optional[List[int]]:
+        """Which listed device each rank runs on, by the device names the ranks report; None unless every
+        rank names a distinct listed device."""
+        index = {d.name: i for i, d in enumerate(self.devices)}
+        if not names or any(n not in index for n in names) or len(set(names)) != len(names):
+            return None
+        return [index[n] for n in names]
+
     def devices_of(self, hosts: Sequence[str], local_ranks: Sequence[int]) -> Optional[List[int]]:
         """Which listed device each rank runs on, for ranks on `hosts` with `local_ranks` (rank r: the
         local_ranks[r]-th device listed for hosts[r]); None when a host is not in the cluster or has fewer

@@ -57,16 +57,22 @@ def make_plan(module: Any, pl: Any, world_size: int, micro_batches: Optional[int
     """Rank 0's work: cluster + profile + solver -> plan dict (`layers`: the module's layer specs).
 
     A job with fewer ranks than the cluster has devices (restarted after devices or hosts were lost) plans
-    for the devices its ranks run on: `ranks_at` gives each rank's (host, local rank), rank r runs on the
-    local-rank-th device listed for its host (`Cluster.devices_of`), and the plan's rank mapping is over
-    the job's ranks."""
+    for the devices its ranks run on: `ranks_at` gives each rank's (host, local rank, device name or None);
+    rank r runs on the device of its name (PDV_DEVICE_NAME, which `pdv emulate` sets: under torchrun's
+    elastic agents ranks come in rendezvous order), else on the local-rank-th device listed for its host
+    (`Cluster.devices_of`), and the plan's rank mapping is over the job's ranks."""
     from .solvers import solve
 
     cluster = load_cluster(pl.cluster)
-    if len(cluster) > world_size and ranks_at is not None:
-        present = cluster.devices_of([h for h, _ in ranks_at], [lr for _, lr in ranks_at])
-        if present is not None:
-            cluster = cluster.subset(present, source=f"{pl.cluster} (the {world_size} devices left)")
+    present = None
+    if ranks_at is not None:
+        names = [at[2] if len(at) > 2 else None for at in ranks_at]
+        present = cluster.devices_named(names)  # each rank's device by name, whatever order the ranks came in
+        if present is None and len(cluster) > world_size:
+            present = cluster.devices_of([at[0] for at in ranks_at], [at[1] for at in ranks_at])
+    if present is not None and present != list(range(len(cluster))):
+        left = f"the {world_size} devices left" if world_size < len(cluster) else "in the order of the ranks"
+        cluster = cluster.subset(present, source=f"{pl.cluster} ({left})")
     if len(cluster) != world_size:
         where = "" if ranks_at is None else (" (the ranks run on hosts " +
                                              ", ".join(sorted({h for h, _ in ranks_at})) + ")")
@@ -120,7 +126,7 @@ def plan_for_module(module: Any, placement_cfg: Any, micro_batches: Optional[int
     if initialized:  # where each rank runs (host, local rank): a smaller job plans for the devices it has
         ranks_at = [None] * world
         dist.all_gather_object(ranks_at, (os.environ.get("PDV_HOST") or socket.gethostname(),
-                                          int(os.environ.get("LOCAL_RANK", "0"))))
+                                          int(os.environ.get("LOCAL_RANK", "0")), os.environ.get("PDV_DEVICE_NAME")))
     plan = on_rank0(lambda: make_plan(module, placement_cfg, world, micro_batches, layers=layers,
                                       ranks_at=ranks_at), "placement planning")
     if module is not None:

@@ -31,13 +31,23 @@ class SnapshotsConfig(StrictModel):
     background: bool = Field(True, description="write, copy and seal on a thread while training goes on (false: "
                                                 "inside the step)")
     resume: Union[bool, Literal["auto"]] = Field(
-        "auto", description="resume from the newest complete snapshot at start-up: 'auto' when torchrun "
-                            "restarted the workers (TORCHELASTIC_RESTART_COUNT > 0), true always, false never")
+        "auto", description="resume from the newest complete snapshot at start-up: 'auto' under torchrun's agent "
+                            "(TORCHELASTIC_RUN_ID set: every start of the workers, the first one finding none), "
+                            "true always, false never")
+
+    def root_dir(self) -> str:
+        """`root`, unless the emulator gives this host its memory (PDV_HOST_MEMORY, `pdv emulate`'s elastic
+        runs): then that folder, which the emulator wipes when the host is lost."""
+        return os.environ.get("PDV_HOST_MEMORY") or self.root
 
     def job_name(self) -> str:
         return self.job or os.environ.get("TORCHELASTIC_RUN_ID") or "pdv"
 
     def resumes(self) -> bool:
+        """Whether start-up looks for a snapshot (a collective: the answer must be the same on every rank).
+        Not TORCHELASTIC_RESTART_COUNT: it counts one agent's failures, so after a lost host the agent whose
+        worker failed says 1 and one restarted for the new membership says 0 (seen on the emulated cluster:
+        one rank resumed, its peer started over, and their collectives crossed); a scale-up says 0 on all."""
         if self.resume == "auto":
-            return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+            return bool(os.environ.get("TORCHELASTIC_RUN_ID"))
         return bool(self.resume)

@@ -67,7 +67,7 @@ def test_three_kinds_with_the_cluster_yamls_units():
     ({"at": 1, "pair": {"a": "fast1", "b": "slow1"}, "bandwidth": "fast"}, "events[0].bandwidth: cannot read bandwidth"),
     ({"at": 1, "link": "inter_host", "bandwidth": "1 Gbit/s", "latency": "2 Mbit/s"}, "events[0].latency: unknown time unit"),
     ({"at": 1, "link": "interhost", "bandwidth": "1 Gbit/s"}, "events[0].link: Input should be 'intra_host' or 'inter_host'"),
-    ({"at": 1, "throughput": 1}, "events[0]: an event needs exactly one of 'device', 'pair' or 'link'"),
+    ({"at": 1, "throughput": 1}, "events[0]: an event needs exactly one of 'device', 'pair', 'link' or 'host'"),
     ({"at": 1, "device": "slow0", "link": "inter_host", "bandwidth": 1e6}, "has 'device' and 'link'"),
     ("slow0 at 40s", "events[0]: expected a mapping"),
 ])
@@ -564,3 +564,71 @@ def test_dry_run_of_a_step_timeline(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"pdv emulate: {path}: events[0].at_fraction: a share of the run "
                                                "needs the run's total steps"), err
+
+
+# ---- faults (issue #37 item 4): a host or a device stops, and comes back ---------------------------------
+def test_fault_events_parse_check_and_plan(spec):
+    evs = parse({"at_step": 30, "host": "b", "down": True}, {"at_step": 40, "device": "fast1", "down": True},
+                {"at_step": 60, "host": "b", "down": False})
+    assert events.faults(evs) and not events.faults(parse({"at": 1, "device": "slow0", "throughput": 0.5}))
+    events.check(evs, spec)
+    changes = Weather(spec, [0.5] * 4).plan(evs)
+    assert [(c.down, c.hosts_down, c.up, c.hosts_up) for c in changes] == [
+        ([2, 3], [1], [], []), ([1], [], [], []), ([], [], [2, 3], [1])]
+    assert changes[0].text == "host b (slow0, slow1) down: its processes killed, its memory wiped, its uplink down"
+    assert changes[2].text == "host b (slow0, slow1) back: a new agent joins the job"
+    from pdv_ext.emulate.elastic import fewest_left
+
+    assert fewest_left(4, changes) == 1  # slow0, slow1 and fast1 down at once
+    assert fewest_left(4, changes[:1]) == 2
+
+
+@pytest.mark.parametrize("items, words", [
+    ([{"at_step": 3, "device": "slow0", "down": True, "throughput": 0.5}], "exactly one of 'throughput'"),
+    ([{"at_step": 3, "host": "c", "down": True}], "events[0].host: unknown host 'c'"),
+    ([{"at_step": 3, "host": "b", "down": False}], "events[0].down: host 'b' is not down at step 3"),
+    ([{"at_step": 3, "device": "slow0", "down": True}, {"at_step": 4, "host": "b", "down": True},
+      {"at_step": 5, "host": "b", "down": True}], "events[2].down: host 'b' is already down at step 5"),
+    ([{"at_step": 3, "host": "a", "down": True}, {"at_step": 4, "host": "b", "down": True}],
+     "events[1]: every device is down at step 4"),
+])
+def test_faults_that_make_no_sense_are_one_line_each(spec, items, words):
+    with pytest.raises(ConfigError) as exc:
+        events.check(parse(*items), spec)
+    assert any(words in line for line in exc.value.errors), exc.value.errors
+
+
+def test_a_fault_timeline_runs_elastic_and_says_so(spec, tmp_path, capsys):
+    em = launcher.Emulation(spec, ["true"], events=parse({"at_step": 3, "host": "b", "down": True}))
+    assert em.elastic and not launcher.Emulation(spec, ["true"]).elastic
+    assert launcher.Emulation(spec, ["true"], elastic=True).elastic
+    assert em.host_memory("b").endswith(f"{em.name}-memory/b")
+    from pdv_ext.emulate import elastic
+
+    cmd = elastic.agent_command(["python", "job.py"], 2, 4, "10.251.0.1", em.name, 4, "/cg/d0/cgroup.procs")
+    assert "--nnodes=2:4" in cmd and "--local-addr=10.251.0.1" in cmd and cmd[-2:] == ["python", "job.py"]
+    assert "$$" not in " ".join(cmd)  # torchrun reads $$ in a worker's arguments as an escaped $
+    env = elastic.agent_env(em.rank_env(2), "/mem/b")
+    assert "RANK" not in env and env["PDV_DEVICE_NAME"] == "slow0" and env[elastic.MEMORY_ENV] == "/mem/b"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**CLUSTER, "events": [{"at_step": 5, "device": "slow1", "down": True}]}))
+    assert cli.main(["--cluster", str(path), "--dry-run", "--top-share", "0.5"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "event 0 at step 5: device slow1 down: its processes killed"
+    assert out[-3].startswith("supervision: a torchrun agent per device")
+
+
+def test_ranks_find_their_devices_by_name_in_any_order():
+    cluster = Cluster.from_dict(CLUSTER)
+    assert cluster.devices_named(["slow1", "fast0"]) == [3, 0]
+    assert cluster.devices_named(["slow1", "slow1"]) is None and cluster.devices_named(["rank0", "fast0"]) is None
+    assert cluster.devices_named([None, None]) is None
+
+
+def test_the_host_memory_replaces_the_snapshot_root(monkeypatch):
+    from pdv_ext.recovery.config import SnapshotsConfig
+
+    monkeypatch.delenv("PDV_HOST_MEMORY", raising=False)
+    assert SnapshotsConfig(root="/x").root_dir() == "/x"
+    monkeypatch.setenv("PDV_HOST_MEMORY", "/dev/shm/pdv-abc123-memory/b")
+    assert SnapshotsConfig(root="/x").root_dir() == "/dev/shm/pdv-abc123-memory/b"

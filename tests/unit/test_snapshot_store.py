@@ -77,11 +77,13 @@ def test_config_names_the_bad_key():
 def test_resume_auto_follows_torchrun(monkeypatch):
     from pdv_ext.recovery.config import SnapshotsConfig
 
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    assert not SnapshotsConfig().resumes()
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert SnapshotsConfig().resumes() and not SnapshotsConfig(resume=False).resumes()
+    assert not SnapshotsConfig().resumes() and SnapshotsConfig(resume=True).resumes()  # not under torchrun
+    # under torchrun every start looks (the same answer on every rank, whatever one agent's restart count says)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run7")
+    assert SnapshotsConfig().resumes() and not SnapshotsConfig(resume=False).resumes()
     assert SnapshotsConfig().job_name() == "run7" and SnapshotsConfig(job="x").job_name() == "x"
 
 

@@ -107,7 +107,7 @@ class Snapshots:
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
-        self.store = HostStore(cfg.root, cfg.job_name())
+        self.store = HostStore(cfg.root_dir(), cfg.job_name())
         self.hosts = _hosts(self.store)  # collective: every rank builds its engine at once
         self.last: Dict[str, float] = {}
         # the writing half of a snapshot runs on a thread of its own, over a process group of its own (the
