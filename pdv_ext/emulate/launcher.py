@@ -140,6 +140,7 @@ class Emulation:
         return os.path.join(el.memory_root(self.name), host)
 
     def setup(self) -> None:
+        _claim(self.name)  # `pdv emulate --cleanup` leaves a run alone while its owner lives
         self.net = netns.Network(self.spec, self.name)
         self.net.create()
         if self.elastic:
@@ -332,6 +333,7 @@ class Emulation:
             except Exception as exc:  # keep going: remove as much as possible
                 errors.append(str(exc))
         time.sleep(0.05)
+        _release(self.name)
         if errors:
             self.log("cleanup problems: " + "; ".join(errors))
 
@@ -364,19 +366,70 @@ def _raise_exit(signum, frame):
     raise SystemExit(128 + signum)
 
 
+def _owner_file(run_name: str) -> str:
+    return os.path.join(tempfile.gettempdir(), f"{run_name}.owner")
+
+
+def _claim(run_name: str) -> None:
+    """Record this process (pid and start time: a pid can be reused) as the run's owner."""
+    import psutil
+
+    me = psutil.Process()
+    with open(_owner_file(run_name), "w", encoding="utf-8") as f:
+        f.write(f"{me.pid} {me.create_time()}\n")
+
+
+def _release(run_name: str) -> None:
+    try:
+        os.remove(_owner_file(run_name))
+    except OSError:
+        pass
+
+
+def live_runs() -> Dict[str, int]:
+    """Runs whose `pdv emulate` is still running: {run name: its pid}. Owner files of dead owners go."""
+    import psutil
+
+    tmp, out = tempfile.gettempdir(), {}
+    for n in sorted(os.listdir(tmp)):
+        if not (n.endswith(".owner") and netns.STALE_RE.match(n[:-len(".owner")] + "-")):
+            continue
+        run = n[:-len(".owner")]
+        try:
+            with open(os.path.join(tmp, n), encoding="utf-8") as f:
+                pid, started = f.read().split()
+            alive = abs(psutil.Process(int(pid)).create_time() - float(started)) < 1e-3
+        except (OSError, ValueError, psutil.Error):
+            alive = False
+        if alive:
+            out[run] = int(pid)
+        else:
+            _release(run)
+    return out
+
+
+def _run_of(name: str) -> str:
+    return os.path.basename(name)[:len("pdv-123456")]
+
+
 def cleanup_stale(log=print) -> int:
-    """Remove namespaces, cgroups and mark-clock folders of earlier runs (named `pdv-<6 hex>-...`). Returns
-    how many."""
-    names = netns.stale_namespaces()
+    """Remove namespaces, cgroups, mark-clock folders and host memory of earlier runs (named
+    `pdv-<6 hex>-...`) whose `pdv emulate` is gone; a run still running is left alone (a clean-up started
+    beside it, e.g. by a test, killed a running benchmark's ranks). Returns how many were removed."""
+    live = live_runs()
+    for run, pid in live.items():
+        log(f"left {run} alone: its pdv emulate (pid {pid}) is running")
+    names = [n for n in netns.stale_namespaces() if _run_of(n) not in live]
     netns.remove_namespaces(names)
-    groups = [g for g in cgroup.stale() if netns.STALE_RE.match(os.path.basename(g) + "-")]
+    groups = [g for g in cgroup.stale() if netns.STALE_RE.match(os.path.basename(g) + "-") and _run_of(g) not in live]
     for g in groups:
         cgroup.remove_tree(g)
     tmp = tempfile.gettempdir()
-    marks = [os.path.join(tmp, n) for n in sorted(os.listdir(tmp)) if netns.STALE_RE.match(n) and "-mark-" in n]
+    marks = [os.path.join(tmp, n) for n in sorted(os.listdir(tmp))
+             if netns.STALE_RE.match(n) and "-mark-" in n and _run_of(n) not in live]
     mem = os.path.dirname(el.memory_root("pdv-000000"))  # elastic runs' host memory
     marks += [os.path.join(mem, n) for n in sorted(os.listdir(mem))
-              if netns.STALE_RE.match(n) and n.endswith("-memory")]
+              if netns.STALE_RE.match(n) and n.endswith("-memory") and _run_of(n) not in live]
     for m in marks:
         shutil.rmtree(m, ignore_errors=True)
     for item in names + groups + marks:

@@ -632,3 +632,24 @@ def test_the_host_memory_replaces_the_snapshot_root(monkeypatch):
     assert SnapshotsConfig(root="/x").root_dir() == "/x"
     monkeypatch.setenv("PDV_HOST_MEMORY", "/dev/shm/pdv-abc123-memory/b")
     assert SnapshotsConfig(root="/x").root_dir() == "/dev/shm/pdv-abc123-memory/b"
+
+
+def test_cleanup_leaves_a_running_emulation_alone(tmp_path, monkeypatch):
+    """`pdv emulate --cleanup` (CI runs it in a test) once removed a benchmark's live namespaces and cgroups."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(netns, "stale_namespaces", lambda: ["pdv-aaaaaa-d0", "pdv-bbbbbb-d0"])
+    removed = []
+    monkeypatch.setattr(netns, "remove_namespaces", lambda names: removed.extend(names))
+    monkeypatch.setattr(cgroup, "stale", lambda prefix="pdv-": [])
+    launcher._claim("pdv-aaaaaa")  # this test's process owns run aaaaaa: alive
+    (tmp_path / "pdv-bbbbbb.owner").write_text("999999999 1.0\n")  # an owner long gone
+    (tmp_path / "pdv-aaaaaa-mark-x").mkdir()
+    (tmp_path / "pdv-bbbbbb-mark-y").mkdir()
+    logs = []
+    assert launcher.cleanup_stale(log=logs.append) == 2
+    assert removed == ["pdv-bbbbbb-d0"] and sorted(os.listdir(tmp_path)) == ["pdv-aaaaaa-mark-x", "pdv-aaaaaa.owner"]
+    assert any("left pdv-aaaaaa alone" in m for m in logs)
+    launcher._release("pdv-aaaaaa")
+    assert launcher.live_runs() == {}
