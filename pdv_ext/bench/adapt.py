@@ -90,8 +90,9 @@ class Scenario(StrictModel):
     events: List[Any] = []
 
 
-def load_scenario(path: str):
-    """(Scenario, Cluster, cluster path, EmuSpec, timeline); ConfigError with one line per problem."""
+def load_scenario(path: str, faults_ok: bool = False):
+    """(Scenario, Cluster, cluster path, EmuSpec, timeline); ConfigError with one line per problem (a fault
+    scenario is one unless `faults_ok`: `pdv bench faults` runs those)."""
     import yaml
 
     from ..emulate.events import load_timeline
@@ -135,7 +136,7 @@ def load_scenario(path: str):
     events = load_timeline(cluster.spec.events, cluster_path, path, spec, total_steps=run.steps)
     from ..emulate.events import faults
 
-    if faults(events):
+    if faults(events) and not faults_ok:
         raise ConfigError([f"{path}: events: a host or a device goes down: that is a fault scenario, which "
                            "`pdv bench adapt` (slowdowns) does not run; run its events under `pdv emulate` "
                            "(docs/recovery.md)"])

@@ -17,6 +17,11 @@ after it) with its parts (`restart_s`: the kill to the new workers' start, detec
 (relative difference of the held-out loss at the end), `recovered_vs_disk_restart` (wall time, the first
 agent's start to the end), `snapshot_overhead` (median step with snapshots before the loss over the disk
 run's, less 1). A CPU machine's figures; the same job on GPUs is not measured.
+
+`--scenario FILE` (root): a fault scenario (`launch/scenarios/host_loss.yaml`, `device_loss.yaml`: a cluster, a
+run shape, one fault at a training step) on the emulated cluster instead: each way is a `pdv emulate --elastic`
+run of the same job (a torchrun agent per device; `reference` is two runs, the second on the survivors'
+cluster from the first's disk checkpoint), and the figures are read from a device that survives.
 """
 from __future__ import annotations
 
@@ -142,9 +147,116 @@ def _summary(run: Dict[str, Any], steps: int) -> Dict[str, Any]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------------
+# on the emulated cluster (`--scenario`): the scenario's fault events played by `pdv emulate`
+# ---------------------------------------------------------------------------------------------------
+def _scenario(path: str):
+    """The scenario's cluster, run shape and fault events (one clear error for anything else)."""
+    from ..config_base import ConfigError
+    from ..emulate.events import HostEvent, faults
+    from .adapt import load_scenario
+
+    sc, cluster, cluster_path, _, events = load_scenario(path, faults_ok=True)
+    downs = [e for e in events if getattr(e, "fault", False) and e.down]
+    if not faults(events) or len(downs) != 1 or len([e for e in events if getattr(e, "fault", False)]) != 1 \
+            or not downs[0].by_step:
+        raise ConfigError([f"{path}: events: a fault scenario has exactly one fault, a host or a device going down "
+                           "at a training step (at_step / at_fraction)"])
+    lost = downs[0]
+    gone = {d.name for d in cluster.devices if isinstance(lost, HostEvent) and d.host == lost.host}
+    gone |= {lost.device} if not isinstance(lost, HostEvent) else set()
+    left = [i for i, d in enumerate(cluster.devices) if d.name not in gone]
+    if sc.run.pipe * sc.run.data != len(cluster) or len(left) % sc.run.pipe or 12 % (len(left) // sc.run.pipe) \
+            or 12 % sc.run.data:
+        raise ConfigError([f"{path}: run: pipe {sc.run.pipe} x data {sc.run.data} on {len(cluster)} devices, "
+                           f"{len(left)} left: the bench's job needs pipe x data = the devices, and the pipe "
+                           "depth to divide the devices left, with 12 micro-batches a step over the replicas"])
+    return sc, cluster_path, cluster, lost, left
+
+
+def _emulate(work: str, name: str, cluster_path: str, events: Optional[str], job: List[str],
+             timeout: float) -> Dict[str, Any]:
+    """One `pdv emulate` run of faults_job.py; its logs, the fault's wall time and the run's wall time."""
+    out = os.path.join(work, name)
+    os.makedirs(out)
+    ev_log = os.path.join(work, f"{name}-events.jsonl")
+    cmd = [sys.executable, "-m", "pdv_ext.cli", "emulate", "--cluster", cluster_path, "--timeout", str(timeout),
+           "--events-log", ev_log, "--elastic"] + (["--events", events] if events else []) + \
+        ["--", sys.executable, "-m", "pdv_ext.bench.faults_job", "--out", out, *job]
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60)
+    wall = time.time() - t0
+    if p.returncode != 0:
+        raise RuntimeError(f"{name}: pdv emulate exited with {p.returncode}: {(p.stdout + p.stderr)[-3000:]}")
+    rows = []
+    if os.path.exists(ev_log):
+        with open(ev_log, encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    t_kill = next((r["wall"] for r in rows if r.get("applied") and r.get("after") == {"down": True}), None)
+    return {"logs": _read(out), "t_kill": t_kill, "wall_s": wall}
+
+
+def _survivor_summary(run: Dict[str, Any], steps: int, device: str) -> Dict[str, Any]:
+    """`_summary` from a device that was never lost (its log holds every attempt)."""
+    return _summary({**run, "logs": {"hostA-rank0": run["logs"][device]}}, steps)
+
+
+def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str], hidden: int) -> Dict[str, Any]:
+    sc, cluster_path, cluster, lost, left = _scenario(path)
+    steps = steps or sc.run.steps
+    lose_at = lost.at_step
+    if not 0 < lose_at < steps:
+        from ..config_base import ConfigError
+
+        raise ConfigError([f"{path}: the fault at step {lose_at} is not inside a run of {steps} steps"])
+    watch = cluster.devices[left[0]].name
+    work = tempfile.mkdtemp(prefix="pdv-bench-faults-")
+    res: Dict[str, Any] = {"scenario": os.path.basename(path), "steps": steps, "lose_at": lose_at,
+                           "lost": lost.target, "devices_left": len(left), "pipe": sc.run.pipe}
+    base = ["--steps", str(steps), "--pipe", str(sc.run.pipe), "--hidden", str(hidden)]
+    try:
+        ev = os.path.join(work, "events.yaml")
+        with open(ev, "w", encoding="utf-8") as f:
+            kind = "host" if hasattr(lost, "host") else "device"
+            f.write(f"- {{at_step: {lose_at}, {kind}: {lost.target}, down: true}}\n")
+        if "reference" in only:
+            log(f"[bench faults] reference: {len(cluster)} devices to step {lose_at}, a disk checkpoint, "
+                f"{len(left)} devices from it")
+            ckpt = os.path.join(work, "reference-ckpt")
+            first = _emulate(work, "reference", cluster_path, None,
+                             base + ["--root", ckpt, "--mode", "none", "--save-at", str(lose_at)], timeout)
+            sub = os.path.join(work, "survivors.yaml")
+            cluster.subset(left, source="survivors").save(sub)
+            second = _emulate(work, "reference2", sub, None, base + ["--root", ckpt, "--mode", "none", "--load",
+                                                                     ckpt], timeout)
+            held = [e["held_out"] for e in second["logs"][watch] if "held_out" in e]
+            res["reference"] = {"held_out": held[-1] if held else None,
+                                "wall_s": round(first["wall_s"] + second["wall_s"], 2)}
+        for kind, mode in (("recovered", "snapshots"), ("disk_restart", "disk")):
+            if kind in only:
+                log(f"[bench faults] {kind}: {lost.target} lost after step {lose_at}")
+                run = _emulate(work, kind, cluster_path, ev,
+                               base + ["--root", os.path.join(work, f"{kind}-root"), "--mode", mode], timeout)
+                res[kind] = _survivor_summary(run, steps, watch)
+        rec, disk = res.get("recovered"), res.get("disk_restart")
+        if rec:
+            res.update({k: rec[k] for k in ("completed", "steps_lost") if k in rec})
+            res["recovery_s"], res["recovery_parts_s"] = rec.get("recovery_s"), rec.get("recovery_parts_s")
+            ref = (res.get("reference") or {}).get("held_out")
+            if ref and rec["held_out"] is not None:
+                res["held_out_vs_reference"] = abs(rec["held_out"] / ref - 1.0)
+        if rec and disk:
+            res["recovered_vs_disk_restart"] = round(rec["wall_s"] / disk["wall_s"], 4)
+            if rec["step_s_before"] and disk["step_s_before"]:
+                res["snapshot_overhead"] = round(rec["step_s_before"] / disk["step_s_before"] - 1.0, 4)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return res
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = parser("faults", __doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=90)
+    ap.add_argument("--steps", type=int, default=None, help="training steps (default 90; a scenario's run.steps)")
     ap.add_argument("--lose-at", type=int, default=None, help="the step after which host B is lost (default a third)")
     ap.add_argument("--ckpt-every", type=int, default=25, help="disk_restart: a checkpoint every N steps")
     ap.add_argument("--hidden", type=int, default=256)
@@ -152,7 +264,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--only", default="reference,recovered,disk_restart")
     ap.add_argument("--quick", action="store_true", help="12 steps, host B lost after step 4")
+    ap.add_argument("--scenario", default=None, metavar="FILE",
+                    help="a fault scenario (launch/scenarios/host_loss.yaml, device_loss.yaml) on the emulated "
+                         "cluster (root): its fault played by `pdv emulate`; --steps overrides its run's steps")
     args = ap.parse_args(argv)
+    if args.scenario:
+        from ..config_base import ConfigError
+        from ..emulate.launcher import EmulationUnavailable, check_available
+
+        kinds = [k.strip() for k in args.only.split(",") if k.strip()]
+        try:
+            res = run_scenario(args.scenario, args.steps, args.timeout, kinds, args.hidden)
+        except ConfigError as exc:
+            for line in exc.errors:
+                print(f"pdv bench faults: {line}", file=sys.stderr)
+            return 2
+        except EmulationUnavailable as exc:
+            print(f"pdv bench faults: {exc}", file=sys.stderr)
+            return 2
+        emit(res, args.json)
+        return 0
+    args.steps = args.steps or 90
     if args.quick:
         args.steps, args.lose_at, args.ckpt_every = 12, 4, 3
     lose_at = args.lose_at if args.lose_at is not None else args.steps // 3

@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--host-tag", default="", help="(marks a host's processes for the bench)")
+    ap.add_argument("--pipe", type=int, default=2, help="pipeline stages (the rest of the world: replicas)")
     args = ap.parse_args()
 
     import deepspeed
@@ -36,23 +37,26 @@ def main() -> None:
     from deepspeed.pipe import PipelineModule
 
     import pdv_ext
+    from pdv_ext.emulate.events import mark_step
     from pdv_ext.models import mlp_layers, seed_layer
     from pdv_ext.policy.data import ElasticBatches
 
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     deepspeed.init_distributed(dist_backend="gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    dp = world // 2
+    dp = world // args.pipe
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4096, 64, generator=g)
     y = (x @ torch.randn(64, 10, generator=g)).argmax(-1)
     held_x, held_y = x[-512:], y[-512:]
-    model = PipelineModule(layers=mlp_layers(8, args.hidden, 64, 10), num_stages=2,
+    model = PipelineModule(layers=mlp_layers(8, args.hidden, 64, 10), num_stages=args.pipe,
                            loss_fn=torch.nn.CrossEntropyLoss(), seed_layers=True, seed_fn=seed_layer, base_seed=3)
-    pdv = {"placement": {"boundaries": [0, 4, 8], "rank_mapping": [list(range(dp)), list(range(dp, 2 * dp))]}}
+    bounds = [round(8 * s / args.pipe) for s in range(args.pipe + 1)]
+    pdv = {"placement": {"boundaries": bounds, "rank_mapping": [list(range(s * dp, (s + 1) * dp))
+                                                                for s in range(args.pipe)]}}
     if args.mode == "snapshots":
         pdv["snapshots"] = {"root": args.root, "job": "bench-faults", "every": 1}
-    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 8 // dp, "steps_per_print": 10 ** 9,
+    # 96 samples a step: 12 micro-batches over the replicas, whether 4, 3, 2 or 1 are left
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 12 // dp, "steps_per_print": 10 ** 9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, "gradient_clipping": 1.0,
            "pdv": pdv}
     engine = pdv_ext.initialize(model=model, config=cfg, model_parameters=list(model.parameters()))[0]
@@ -67,18 +71,23 @@ def main() -> None:
     elif engine.pdv_snapshots is not None:
         t_resume = engine.pdv_snapshots.resumed.get("seconds", 0.0)
     host = os.environ.get("PDV_HOST", "h")
+    # a log per device under `pdv emulate` (ranks follow torchrun's rendezvous there), else per host and rank
+    name = os.environ.get("PDV_DEVICE_NAME") if os.environ.get("PDV_EMULATION") else None
+    attempt = _attempt(args.out, name) if name else int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     last = args.save_at or args.steps
-    with open(os.path.join(args.out, f"{host}-rank{rank}.jsonl"), "a", encoding="utf-8") as log:
+    with open(os.path.join(args.out, f"{name or f'{host}-rank{rank}'}.jsonl"), "a", encoding="utf-8") as log:
         log.write(json.dumps({"attempt": attempt, "world": world, "start": int(engine.global_steps),
                               "t_process": T_PROCESS, "t_ready": t_ready, "resume_s": t_resume,
                               "master": [os.environ.get("MASTER_ADDR"), int(os.environ.get("MASTER_PORT", 0))]})
                   + "\n")
+        mark_step(int(engine.global_steps))  # under `pdv emulate`, events placed at_step count these steps
         while engine.global_steps < last:
             loss = float(engine.train_batch(data_iter=data))
             log.write(json.dumps({"attempt": attempt, "step": int(engine.global_steps), "loss": loss,
                                   "t": time.time()}) + "\n")
             log.flush()
             step = int(engine.global_steps)
+            mark_step(step)
             if args.mode == "disk" and step % args.ckpt_every == 0:
                 engine.save_checkpoint(args.root)
             time.sleep(args.sleep)
@@ -90,6 +99,16 @@ def main() -> None:
     engine.discard_snapshots()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _attempt(out: str, name: str) -> int:
+    """This device's start count (its log's start lines): under `pdv emulate` an agent restarted for a new
+    membership keeps its TORCHELASTIC_RESTART_COUNT, so that count does not number the attempts."""
+    try:
+        with open(os.path.join(out, f"{name}.jsonl"), encoding="utf-8") as f:
+            return sum(1 for line in f if '"start"' in line)
+    except OSError:
+        return 0
 
 
 if __name__ == "__main__":

@@ -83,3 +83,24 @@ def test_device_lost_on_data_parallel(tmp_path):
     resumed = [int(m.group(1)) for m in (re.search(r"resumed at step (\d+)", ln) for ln in demo) if m]
     assert len(resumed) == 1 and 3 <= resumed[0] <= 4, demo
     assert any("done in" in ln for ln in demo)
+
+
+@pytest.mark.timeout(300)
+def test_bench_faults_on_a_scenario(tmp_path):
+    """`pdv bench faults --scenario`: the scenario's fault played by `pdv emulate`; the recovered run completes
+    on the devices left with at most one step lost, and its recovery time comes with its parts."""
+    (tmp_path / "c.yaml").write_text(CLUSTER)
+    (tmp_path / "s.yaml").write_text("cluster: c.yaml\nrun: {pipe: 2, data: 2, steps: 10}\n"
+                                     "events:\n  - {at_step: 4, host: hostB, down: true}\n")
+    p = subprocess.run([sys.executable, "-m", "pdv_ext.cli", "bench", "faults", "--scenario", str(tmp_path / "s.yaml"),
+                        "--only", "recovered", "--hidden", "32", "--timeout", "200", "--json"],
+                       capture_output=True, text=True, timeout=280, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["completed"] and res["steps_lost"] <= 1 and res["recovered"]["world_after"] == 2, res
+    assert res["recovery_s"] > 0 and set(res["recovery_parts_s"]) == {"restart", "startup", "state_load", "first_step"}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cluster: c.yaml\nrun: {pipe: 4, data: 1, steps: 10}\nevents:\n  - {at_step: 4, host: hostB, down: true}\n")
+    q = subprocess.run([sys.executable, "-m", "pdv_ext.cli", "bench", "faults", "--scenario", str(bad), "--json"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert q.returncode == 2 and "pipe 4 x data 1 on 4 devices, 2 left" in q.stderr, q.stderr
