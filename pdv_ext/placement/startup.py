@@ -86,7 +86,8 @@ def make_plan(module: Any, pl: Any, world_size: int, micro_batches: Optional[int
     mb = pl.micro_batches or micro_batches or 2 * stages
     plan = solve(pl.solver, prof, cluster, stages, mb, schedule=pl.schedule, aggregator=pl.aggregator,
                  **pl.solver_options)
-    return plan.to_dict()
+    # which device each rank runs on: policies that model the devices (replan) follow it after a recovery
+    return {**plan.to_dict(), "devices": [d.name for d in cluster.devices]}
 
 
 def on_rank0(fn: Any, what: str) -> Any:

@@ -122,8 +122,10 @@ class Change:
     rank, identically: the system's other policies changed something, or this one did, or a checkpoint brought
     another plan or split. What a policy measured before it may be stale now.
 
-    `kind`: `shares`, `replan` (the pipeline moved), `batch_size`, `aggregator`, `gossip_peers`, `lr`, or
-    `checkpoint` (a resumed run found another plan or other data shares in force than the checkpoint's).
+    `kind`: `shares`, `replan` (the pipeline moved), `batch_size`, `aggregator`, `gossip_peers`, `lr`,
+    `checkpoint` (a resumed run found another plan or other data shares in force than the checkpoint's), or
+    `recovery` (a resumed run has another world than the checkpoint's: devices were lost or came back, and a
+    rank may be on another device).
     `step`: the step boundary it took effect at (the next step runs under it). `source`: the deciding policy
     (empty for `checkpoint`). What is in force after it: `shares` (micro-batches per data-parallel replica,
     None: the equal split), `boundaries` and `rank_mapping` (the pipeline plan; empty where the framework has
@@ -142,7 +144,7 @@ class Change:
     action: Optional[Dict[str, Any]] = None
 
     #: the kinds after which per-replica or per-device work is different: timings taken before are stale
-    WORK_KINDS: ClassVar[Tuple[str, ...]] = ("shares", "replan", "batch_size", "checkpoint")
+    WORK_KINDS: ClassVar[Tuple[str, ...]] = ("shares", "replan", "batch_size", "checkpoint", "recovery")
 
     def __post_init__(self) -> None:
         if self.shares is not None:

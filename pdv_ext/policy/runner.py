@@ -109,7 +109,9 @@ class PolicyRunner:
         # a checkpoint taken under another plan or split (a layer-keyed load, another world): the policies'
         # restored measurements belong to what the checkpoint had in force, not to what runs now
         before, now = self._in_force, self._in_force_now()
-        if before is not None and (before["shares"], before["plan"]) != (now["shares"], now["plan"]):
+        if before is not None and before.get("world", now["world"]) != now["world"]:  # a restart on other devices
+            self._announce(Change(kind="recovery", step=step, **self._state_fields()))
+        elif before is not None and (before["shares"], before["plan"]) != (now["shares"], now["plan"]):
             self._announce(Change(kind="checkpoint", step=step, **self._state_fields()))
         self._in_force = now
 
@@ -159,7 +161,8 @@ class PolicyRunner:
         pl = ap.placement() if hasattr(ap, "placement") else None
         plan = None if not pl else {"boundaries": [int(b) for b in pl["boundaries"]],
                                     "rank_mapping": [[int(r) for r in row] for row in pl["rank_mapping"]]}
-        return {"shares": None if shares is None else [int(n) for n in shares], "plan": plan}
+        return {"shares": None if shares is None else [int(n) for n in shares], "plan": plan,
+                "world": int(self.comm.size)}
 
     def _state_fields(self) -> Dict[str, Any]:
         now = self._in_force_now()
@@ -174,7 +177,7 @@ class PolicyRunner:
         change, in the same order). No communication: what is in force is identical on every rank."""
         self.changes.append(change)
         self._in_force = {"shares": None if change.shares is None else list(change.shares),
-                          "plan": change.plan}
+                          "plan": change.plan, "world": int(self.comm.size)}
         for i, pol in enumerate(self.policies):
             if i not in self.disabled:
                 self._guard(i, change.step, pol.on_change, change, local=True)

@@ -164,7 +164,7 @@ def test_rebalance_restarts_its_timings_when_the_shares_or_the_plan_change_under
     assert pol.times is not None and pol.rest is not None
     pol.on_change(Change(kind="aggregator", step=6))
     assert pol.times is not None and pol.streak == 1  # an aggregator does not change a replica's work
-    for kind in ("replan", "shares", "batch_size", "checkpoint"):
+    for kind in ("replan", "shares", "batch_size", "checkpoint", "recovery"):
         pol.times, pol.rest, pol.streak, pol.wanted = [1.0] * 4, 0.1, 1, [5, 5, 5, 1]
         pol.on_change(Change(kind=kind, step=6))
         assert (pol.times, pol.rest, pol.streak, pol.wanted) == (None, None, 0, None), kind
@@ -280,7 +280,7 @@ def test_a_checkpoint_under_another_plan_is_announced_on_resume(tmp_path):
     runner._queue.append({"action": SetDataShares((5, 3), source="x").to_dict()})
     drive(runner, sim, 4)  # applied, rebalance's warm-up (2 readings), then one reading under it (not yet undone)
     state = runner.state_dict()
-    assert state["in_force"] == {"shares": [5, 3], "plan": sim.plan}
+    assert state["in_force"] == {"shares": [5, 3], "plan": sim.plan, "world": 1}
 
     same = pipe2x2(tmp_path)
     same.shares = [5, 3]
@@ -298,3 +298,42 @@ def test_a_checkpoint_under_another_plan_is_announced_on_resume(tmp_path):
     assert (change.kind, change.step, change.shares, change.plan) == ("checkpoint", 10, None, other.plan)
     assert moved.policies[0].times is None
     assert moved.policies[1].plan == other.plan and moved.policies[1].ratios is None
+
+
+def test_a_restart_in_another_world_is_announced_as_a_recovery(tmp_path):
+    """A resume whose world differs from the state's (devices lost or back, issue #37 item 6) is a `recovery`:
+    replan drops what it measured per rank (rank r is on another device now) and reloads its cluster model for
+    the devices under the ranks; rebalance drops its timings."""
+    sim = pipe2x2(tmp_path)
+    runner = runner_for(sim, [{"name": "rebalance"}, {"name": "replan", "total_steps": 200}])
+    drive(runner, sim, 8)
+    state = runner.state_dict()
+    state["in_force"]["world"] = 4  # saved by a job of four ranks; this one has LocalComm's one
+    again = PolicyRunner([build_policy({"name": "rebalance"}), build_policy({"name": "replan"})], LocalComm(), sim)
+    again.load_state_dict(state)
+    replan = again.policies[1]
+    replan.throughputs, replan.step_factor = [1.0, 0.5, 1.0, 1.0], {1: 0.9}
+    again.on_train_begin(8)
+    (change,) = again.changes
+    assert change.kind == "recovery" and change.moves_work
+    assert (replan.throughputs, replan.step_factor, replan.cluster, replan.ratios) == (None, {}, None, None)
+    assert again.policies[0].times is None
+
+
+def test_replan_models_the_devices_under_the_ranks(tmp_path):
+    """After a restart on the devices left, the placement names the device under each rank; replan's cluster
+    model is those devices, in rank order (not the cluster file's first devices)."""
+    sim = pipe2x2(tmp_path)
+    pol = build_policy({"name": "replan"})
+    pol.on_train_begin(runner_for(sim, []).context(0))
+    from pdv_ext.placement.cluster import Cluster
+
+    names = [d.name for d in Cluster.load(pol.placement["cluster"]).devices]
+    pol.placement = {**pol.placement, "devices": [names[3], names[1]]}
+    pol._load()
+    assert [d.name for d in pol.cluster.devices] == [names[3], names[1]] and len(pol.throughputs) == 2
+    bad = build_policy({"name": "replan"})
+    bad.on_train_begin(runner_for(sim, []).context(0))
+    bad.placement = {**bad.placement, "devices": ["nope"]}
+    with pytest.raises(ValueError, match="not all in"):
+        bad._load()

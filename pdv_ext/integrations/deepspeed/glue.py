@@ -80,7 +80,10 @@ class EngineApplier(ApplierBase):
         return {**Layout(e.module.parts, engine_mapping(e)).to_dict(),
                 "cluster": pl.cluster, "profile": pl.profile, "solver": pl.solver, "schedule": pl.schedule,
                 "aggregator": pl.aggregator, "solver_options": dict(pl.solver_options),
-                "total_micro_batches": int(e.total_micro_batches)}
+                "total_micro_batches": int(e.total_micro_batches),
+                # the cluster's device under each rank, as the start-up plan matched them (None: rank r on
+                # device r); fewer than the cluster's after a restart on the devices left
+                "devices": (getattr(e.module, "_pdv_plan", None) or {}).get("devices")}
 
     def set_batch_size(self, micro_batches: int, micro_batch_size: int) -> None:
         e = self.engine

@@ -147,6 +147,12 @@ class ReplanPolicy(Policy):
             raise ValueError("replan: needs the cluster YAML and the layer profile of the start-up plan "
                              "(pdv.placement.cluster and .profile, or the policy's cluster/profile options)")
         self.cluster, self.profile = Cluster.load(cluster), Profile.load(profile)
+        names = pl.get("devices")  # the device under each rank (a restart on the devices left: fewer)
+        if names and [d.name for d in self.cluster.devices] != list(names):
+            where = self.cluster.devices_named(list(names))
+            if where is None:
+                raise ValueError(f"replan: the ranks' devices {list(names)} are not all in {cluster}")
+            self.cluster = self.cluster.subset(where, source=f"{cluster} (the devices under the ranks)")
         if self.throughputs is None:
             self.throughputs = [float(d.throughput) for d in self.cluster.devices]
 
@@ -404,12 +410,17 @@ class ReplanPolicy(Policy):
         plan): the plan in force is the change's, and what was measured under the old work restarts - the
         per-rank ratios, the step's EMA, the streak and the warm-up. What the devices were measured to be
         (throughputs, step factors, slow loads) and the calm steps' calibration stay: they describe the
-        devices and the model, not the plan."""
+        devices and the model, not the plan. After a `recovery` (a restart on other devices) they go too:
+        rank r is on another device, and the cluster model is reloaded for the devices under the ranks."""
         if not change.moves_work:
             return
         if change.plan is not None:
             self.plan = change.plan
         self.ratios, self.step_ema, self.seen, self.streak = None, None, 0, 0
+        if change.kind == "recovery":  # other devices under the ranks: what was measured per rank is theirs no more
+            self.cluster, self.throughputs, self.calm_ratios = None, None, []
+            self.step_factor, self.slow_load = {}, {}
+            self.start_stages = len(self.plan["rank_mapping"]) if self.plan else self.start_stages
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
