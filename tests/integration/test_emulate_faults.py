@@ -104,3 +104,18 @@ def test_bench_faults_on_a_scenario(tmp_path):
     q = subprocess.run([sys.executable, "-m", "pdv_ext.cli", "bench", "faults", "--scenario", str(bad), "--json"],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert q.returncode == 2 and "pipe 4 x data 1 on 4 devices, 2 left" in q.stderr, q.stderr
+
+
+@pytest.mark.timeout(420)
+def test_the_host_of_rank_0_lost(tmp_path):
+    """Rank 0's host lost (torchrun ranks the agents by address: a0 holds rank 0 at the start): the job goes on
+    on host B, whose copies of host A's layers make a complete snapshot; rank 0 is then on host B."""
+    out, rows = _run(tmp_path, "- {at_step: 4, host: hostA, down: true}\n", stages=2, steps=10)
+    assert rows[0]["applied"] and rows[0]["target"] == "hostA"
+    demo = [ln for ln in out.splitlines() if re.match(r"^\[\w+\] \[demo\]", ln)]
+    engines = [ln for ln in demo if "PDVPipelineEngine" in ln]
+    assert engines[0].startswith("[a0]") and "dp=2" in engines[0], engines  # rank 0 on host A at the start
+    assert engines[1].startswith("[b") and "dp=1" in engines[1], engines  # and on host B after it
+    resumed = [int(m.group(1)) for m in (re.search(r"resumed at step (\d+)", ln) for ln in demo) if m]
+    assert len(resumed) == 1 and 3 <= resumed[0] <= 4, demo
+    assert any("done in" in ln for ln in demo)
