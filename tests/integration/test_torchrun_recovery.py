@@ -16,16 +16,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-def _torchrun(tmp, name, *extra):
+def _torchrun(tmp, name, *extra, env_extra=None, restarts=1):
     out, shm = tmp / name, tmp / f"{name}-shm"
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=4", "--max-restarts=1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=4", f"--max-restarts={restarts}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.5",
            os.path.join(HERE, "torchrun_job.py"), "--out", str(out), "--shm", str(shm), *extra]
     # a fresh rendezvous store for every restart (docs/recovery.md: torchrun's shared store keeps the last
     # attempt's process-group addresses, and the restarted workers connect to ports that are gone)
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env_extra or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
                           start_new_session=True)
     lines = (proc.stdout + proc.stderr).splitlines()
@@ -128,3 +128,38 @@ def test_bench_faults_quick():
     bad = subprocess.run([sys.executable, "-m", "pdv_ext.cli", "bench", "faults", "--steps", "10", "--lose-at", "10"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--lose-at 10: must fall inside the run" in bad.stderr, bad.stderr
+
+
+@pytest.fixture(scope="module")
+def calm_losses(tmp_path_factory):
+    """The 6 steps of the 4-worker job without a failure: every rank's losses by step."""
+    ref = _torchrun(tmp_path_factory.mktemp("calm"), "calm")
+    return {r: {e["step"]: e["loss"] for e in ref[r] if "step" in e} for r in range(4)}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("phase, resumed", [("serialize", 2), ("write", 2), ("seal", 2), ("prune", 3)])
+def test_a_rank_killed_during_a_snapshot(tmp_path, calm_losses, phase, resumed):
+    """Rank 0 dies abruptly (injected: PDV_SNAPSHOT_FAULT) at each phase of its snapshot of step 3: before
+    anything is written, with one file written, with every file written but not sealed, after every rank
+    sealed. The restart resumes from the newest step that is whole - 2 before the seal, 3 after it - never
+    from half a step, and every loss after it equals the run without a failure."""
+    logs = _torchrun(tmp_path, phase, env_extra={"PDV_SNAPSHOT_FAULT": f"{phase}@3:0"})
+    for r in range(4):
+        starts = [(e["attempt"], e["start"]) for e in logs[r] if "start" in e]
+        assert starts == [(0, 0), (1, resumed)], (r, starts)
+        after = {e["step"]: e["loss"] for e in logs[r] if e.get("attempt") == 1 and "step" in e}
+        assert sorted(after) == list(range(resumed + 1, 7)) and all(after[s] == calm_losses[r][s] for s in after)
+
+
+@pytest.mark.timeout(400)
+def test_a_second_failure_during_the_recovery(tmp_path, calm_losses):
+    """A worker crashes after step 3 (its snapshot written), and in the restart rank 0 dies in the middle of
+    the resume: the next restart resumes from step 3 again and finishes with the calm run's losses."""
+    logs = _torchrun(tmp_path, "twice", "--crash-at", "3", env_extra={"PDV_SNAPSHOT_FAULT": "resume@3:0"},
+                     restarts=2)
+    for r in range(4):
+        starts = [(e["attempt"], e["start"]) for e in logs[r] if "start" in e]
+        assert starts[0] == (0, 0) and starts[-1] == (2, 3), (r, starts)
+        after = {e["step"]: e["loss"] for e in logs[r] if e.get("attempt") == 2 and "step" in e}
+        assert sorted(after) == [4, 5, 6] and all(after[s] == calm_losses[r][s] for s in after)

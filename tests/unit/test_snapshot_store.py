@@ -136,3 +136,23 @@ def test_a_failed_background_snapshot_is_raised_at_the_next_wait():
     with pytest.raises(RuntimeError, match="background failed: No space left on device"):
         snaps.wait()
     snaps.wait()  # reported once; nothing in flight now
+
+
+def test_fault_injection_fires_once_where_asked(monkeypatch):
+    from pdv_ext.integrations.deepspeed import snapshots as snap
+
+    fired = []
+    monkeypatch.setattr(snap.os, "_exit", lambda code: fired.append(code))
+    monkeypatch.setenv(snap.FAULT_ENV, "seal@3:0")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    for phase, step, rank in [("write", 3, 0), ("seal", 2, 0), ("seal", 3, 1)]:
+        snap._fault(phase, step, rank)
+    assert fired == []
+    snap._fault("seal", 3, 0)
+    assert fired == [snap.FAULT_EXIT]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the restart: not again
+    snap._fault("seal", 3, 0)
+    assert fired == [snap.FAULT_EXIT]
+    monkeypatch.setenv(snap.FAULT_ENV, "later@3:0")
+    with pytest.raises(ValueError, match="PHASE@STEP:RANK"):
+        snap._fault("seal", 3, 0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 import threading
 import time
@@ -41,6 +42,26 @@ def shared_rendezvous_store() -> bool:
     refused" to the dead workers' ports)."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and \
         os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1"
+
+
+#: fault injection, for the tests of "a rank killed during a snapshot / a recovery": `PHASE@STEP:RANK` makes that
+#: rank's process exit abruptly (os._exit, no clean-up) when its snapshot of STEP reaches PHASE, in the job's
+#: first start (TORCHELASTIC_RESTART_COUNT 0); `resume@STEP:RANK` in the first restart's resume of STEP
+FAULT_ENV = "PDV_SNAPSHOT_FAULT"
+FAULT_PHASES = ("serialize", "write", "send", "seal", "prune", "resume")
+FAULT_EXIT = 17
+
+
+def _fault(phase: str, step: int, rank: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    m = re.fullmatch(r"(\w+)@(\d+):(\d+)", spec.strip())
+    if m is None or m.group(1) not in FAULT_PHASES:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected PHASE@STEP:RANK, PHASE one of {', '.join(FAULT_PHASES)}")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if (m.group(1), int(m.group(2)), int(m.group(3)), attempt) == (phase, step, rank, int(phase == "resume")):
+        os._exit(FAULT_EXIT)
 
 
 def _bytes(obj: Any, what: str) -> bytes:
@@ -177,15 +198,18 @@ class Snapshots:
         """The writing half: bytes, this host's files, the copies for the next host, the seal, then (every rank
         sealed) the older steps dropped."""
         store = self.store
+        _fault("serialize", step, rank)
         files = {f"layer_{i:02d}.pt": _bytes(e, f"layer {i}") for i, e in sorted(entries.items())}
         t_serialize = time.perf_counter()
         sealed: Dict[str, Dict[str, object]] = {}
         if writes:
             for name, data in files.items():
                 sealed[name] = store.write(step, name, data)
+                _fault("write", step, rank)  # one file written, the others not
         if meta is not None:  # meta on every host
             sealed["meta.pt"] = store.write(step, "meta.pt", _bytes(meta, "meta"))
         t_write = time.perf_counter()
+        _fault("send", step, rank)
         for s, (src, dst) in sorted(buddies.items()):  # the same order on every rank: no send waits on another
             if rank == src:
                 for name in sorted(files):
@@ -199,9 +223,11 @@ class Snapshots:
                         break
                     sealed[name] = store.write(step, name, _recv(src, group))
         t_send = time.perf_counter()
+        _fault("seal", step, rank)
         if sealed:
             store.seal(step, rank, sealed, expected)
         dist.barrier(group=group)  # every rank sealed this step: the older ones can go
+        _fault("prune", step, rank)
         if self._host_leader(rank):
             store.prune(self.cfg.keep)
         end = time.perf_counter()
@@ -245,6 +271,7 @@ class Snapshots:
             raise SnapshotLost([f"snapshots: no step survives whole on the hosts left ({', '.join(sorted(by_host))}); "
                                 f"the newest, step {newest}, lost {', '.join(lost[newest])}: resume from your newest "
                                 f"disk checkpoint (engine.load_checkpoint)"])
+        _fault("resume", step, rank)
         module = eng.module
         start, stop = module.parts[eng.stage_id], module.parts[eng.stage_id + 1]
         need_by_rank: List[Any] = [None] * dist.get_world_size()
