@@ -170,6 +170,76 @@ def plot_adapt(result_path: str, out: str, smooth: int = 3) -> List[str]:
     return drawn
 
 
+FAULT_STYLE = {"recovered": ("tab:green", "recovered (in-memory snapshots)"),
+               "disk_restart": ("tab:orange", "disk restart")}
+
+
+def plot_faults(result_path: str, out: str, smooth: int = 3) -> List[str]:
+    """samples/s over time of `pdv bench faults --out` (a rolling mean over `smooth` steps): each way from its
+    first start, the failure as a vertical line, the first step finished after it as a marker with the
+    recovery time, and the steps trained twice shaded. Returns the ways drawn."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(result_path, encoding="utf-8") as f:
+        res = json.load(f)
+    series = res.get("series") or {}
+    if not series:
+        raise ValueError(f"{result_path}: no per-step series (expected the JSON `pdv bench faults --out` writes)")
+    batch = float(res.get("global_batch") or 1)
+    fig, ax = plt.subplots(figsize=(10, 4.8))
+    drawn = []
+    k = max(1, int(smooth))
+    for kind, (colour, label) in FAULT_STYLE.items():
+        run = series.get(kind)
+        if not run or len(run["t"]) < 2:
+            continue
+        t0, kill = run["start"], run.get("t_kill")
+        # a step's rate from its own duration, within one attempt (the gap of a restart is not a step)
+        xs: List[float] = []
+        ys: List[float] = []
+        for attempt in sorted(set(run["attempt"])):  # one line per attempt: no line across a restart
+            ts = [t for t, a in zip(run["t"], run["attempt"]) if a == attempt]
+            pts = [(b - t0, batch / (b - a)) for a, b in zip(ts, ts[1:]) if b > a]
+            if xs and pts:
+                xs.append(float("nan"))
+                ys.append(float("nan"))
+            xs += [x for x, _ in pts]
+            ys += [sum(r for _, r in pts[max(0, i - k + 1): i + 1]) / len(pts[max(0, i - k + 1): i + 1])
+                   for i in range(len(pts))]
+        summary = res.get(kind, {})
+        ax.plot(xs, ys, color=colour, lw=1.6, label=f"{label}: {summary.get('wall_s', 0):.0f} s, "
+                                                    f"{summary.get('steps_lost', '?')} step(s) lost")
+        drawn.append(kind)
+        if kill is not None:
+            ax.axvline(kill - t0, color=colour, ls="--", lw=1)
+            after = [x for x, a in zip(run["t"], run["attempt"]) if x > kill and a == run["attempt"][-1]]
+            if after:
+                x = after[0] - t0
+                ax.axvspan(kill - t0, x, color=colour, alpha=0.12)
+                y = next((v for u, v in zip(xs, ys) if u == u and u >= x), 0.0)  # the first point after it
+                ax.plot([x], [y], marker="o", color=colour, ms=6)
+                ax.annotate(f"first step {x - (kill - t0):.1f} s after the loss", (x, y),
+                            textcoords="offset points", xytext=(6, -14), fontsize=8, color=colour)
+    title = f"pdv bench faults: {res.get('scenario') or 'host B lost on one machine'}"
+    if isinstance(res.get("recovered_vs_disk_restart"), (int, float)):
+        title += f" (recovered / disk restart wall time {res['recovered_vs_disk_restart']:.2f})"
+    ax.set_title(title)
+    ax.set_xlabel("seconds since the job started")
+    ax.set_ylabel(f"samples/s (mean of {k} steps)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower left", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return drawn
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="pdv plot", description=__doc__)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -181,13 +251,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     ad.add_argument("result", help="the JSON `pdv bench adapt` wrote (build/bench-adapt/<scenario>.json)")
     ad.add_argument("--out", default=None, help="PNG path (default: next to the JSON, <scenario>.png)")
     ad.add_argument("--smooth", type=int, default=3, help="rolling mean over this many steps")
+    fa = sub.add_parser("faults", help="plot samples/s over time of a `pdv bench faults --out` result")
+    fa.add_argument("result", help="the JSON `pdv bench faults --out FILE` wrote")
+    fa.add_argument("--out", default=None, help="PNG path (default: next to the JSON, same name .png)")
+    fa.add_argument("--smooth", type=int, default=3, help="rolling mean over this many steps")
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
     import os
 
     try:
-        if a.what == "adapt":
+        if a.what in ("adapt", "faults"):
             out = a.out or os.path.splitext(os.path.abspath(a.result))[0] + ".png"
-            drawn = plot_adapt(a.result, out, a.smooth)
+            drawn = (plot_adapt if a.what == "adapt" else plot_faults)(a.result, out, a.smooth)
         else:
             out = a.out or os.path.join(os.path.dirname(os.path.abspath(a.csv)), "metrics.png")
             drawn = plot_metrics(a.csv, out, a.title)

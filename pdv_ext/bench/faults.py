@@ -5,7 +5,8 @@ workers each: pipe 2 x data 2 of `faults_job.py`). At `--lose-at` (default a thi
 and workers are killed and its memory (its snapshot folder) wiped; agent A restarts its workers in a world of
 two (pipe 2 x data 1). Three ways, one job:
 
-- `reference`: no failure, but the same switch of plan at the same step: 4 workers to the step, a disk
+- `reference`: no failure, but the same switch of plan at the same step (the step the recovered run resumed
+  from, so both compute every later step under the same plan): 4 workers to the step, a disk
   checkpoint, 2 workers from it (what recovery should equal);
 - `recovered`: pdv's in-memory snapshots (every step, in the background), the host lost;
 - `disk_restart`: what a user has without them: a disk checkpoint every `--ckpt-every` steps, the host lost,
@@ -201,7 +202,8 @@ def _survivor_summary(run: Dict[str, Any], steps: int, device: str) -> Dict[str,
     return _summary({**run, "logs": {"hostA-rank0": run["logs"][device]}}, steps)
 
 
-def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str], hidden: int) -> Dict[str, Any]:
+def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str], hidden: int,
+                 out: Optional[str] = None) -> Dict[str, Any]:
     sc, cluster_path, cluster, lost, left = _scenario(path)
     steps = steps or sc.run.steps
     lose_at = lost.at_step
@@ -214,44 +216,80 @@ def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str
     res: Dict[str, Any] = {"scenario": os.path.basename(path), "steps": steps, "lose_at": lose_at,
                            "lost": lost.target, "devices_left": len(left), "pipe": sc.run.pipe}
     base = ["--steps", str(steps), "--pipe", str(sc.run.pipe), "--hidden", str(hidden)]
+    series: Dict[str, Any] = {}
     try:
         ev = os.path.join(work, "events.yaml")
         with open(ev, "w", encoding="utf-8") as f:
             kind = "host" if hasattr(lost, "host") else "device"
             f.write(f"- {{at_step: {lose_at}, {kind}: {lost.target}, down: true}}\n")
-        if "reference" in only:
-            log(f"[bench faults] reference: {len(cluster)} devices to step {lose_at}, a disk checkpoint, "
-                f"{len(left)} devices from it")
-            ckpt = os.path.join(work, "reference-ckpt")
-            first = _emulate(work, "reference", cluster_path, None,
-                             base + ["--root", ckpt, "--mode", "none", "--save-at", str(lose_at)], timeout)
-            sub = os.path.join(work, "survivors.yaml")
-            cluster.subset(left, source="survivors").save(sub)
-            second = _emulate(work, "reference2", sub, None, base + ["--root", ckpt, "--mode", "none", "--load",
-                                                                     ckpt], timeout)
-            held = [e["held_out"] for e in second["logs"][watch] if "held_out" in e]
-            res["reference"] = {"held_out": held[-1] if held else None,
-                                "wall_s": round(first["wall_s"] + second["wall_s"], 2)}
         for kind, mode in (("recovered", "snapshots"), ("disk_restart", "disk")):
             if kind in only:
                 log(f"[bench faults] {kind}: {lost.target} lost after step {lose_at}")
                 run = _emulate(work, kind, cluster_path, ev,
                                base + ["--root", os.path.join(work, f"{kind}-root"), "--mode", mode], timeout)
                 res[kind] = _survivor_summary(run, steps, watch)
-        rec, disk = res.get("recovered"), res.get("disk_restart")
-        if rec:
-            res.update({k: rec[k] for k in ("completed", "steps_lost") if k in rec})
-            res["recovery_s"], res["recovery_parts_s"] = rec.get("recovery_s"), rec.get("recovery_parts_s")
-            ref = (res.get("reference") or {}).get("held_out")
-            if ref and rec["held_out"] is not None:
-                res["held_out_vs_reference"] = abs(rec["held_out"] / ref - 1.0)
-        if rec and disk:
-            res["recovered_vs_disk_restart"] = round(rec["wall_s"] / disk["wall_s"], 4)
-            if rec["step_s_before"] and disk["step_s_before"]:
-                res["snapshot_overhead"] = round(rec["step_s_before"] / disk["step_s_before"] - 1.0, 4)
+                series[kind] = _series(run["logs"][watch], run["t_kill"])
+        if "reference" in only:
+            at = _switch_step(res, lose_at)
+            log(f"[bench faults] reference: {len(cluster)} devices to step {at}, a disk checkpoint, "
+                f"{len(left)} devices from it")
+            ckpt = os.path.join(work, "reference-ckpt")
+            first = _emulate(work, "reference", cluster_path, None,
+                             base + ["--root", ckpt, "--mode", "none", "--save-at", str(at)], timeout)
+            sub = os.path.join(work, "survivors.yaml")
+            cluster.subset(left, source="survivors").save(sub)
+            second = _emulate(work, "reference2", sub, None, base + ["--root", ckpt, "--mode", "none", "--load",
+                                                                     ckpt], timeout)
+            held = [e["held_out"] for e in second["logs"][watch] if "held_out" in e]
+            res["reference"] = {"held_out": held[-1] if held else None, "switch_at": at,
+                                "wall_s": round(first["wall_s"] + second["wall_s"], 2)}
+        _combine(res)
+        _write_out(res, series, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return res
+
+
+GLOBAL_BATCH = 96  # faults_job.py's samples a step (12 micro-batches of 8)
+
+
+def _series(lines: List[Dict[str, Any]], t_kill: Optional[float]) -> Dict[str, Any]:
+    """One way's steps over time, for `pdv plot faults`: each finished step's wall time and attempt, the
+    first start, the kill (None: no failure)."""
+    starts = [e["t_process"] for e in lines if "start" in e]
+    steps = [e for e in lines if "step" in e]
+    return {"start": min(starts) if starts else (steps[0]["t"] if steps else 0.0), "t_kill": t_kill,
+            "t": [e["t"] for e in steps], "step": [e["step"] for e in steps], "attempt": [e["attempt"] for e in steps]}
+
+
+def _combine(res: Dict[str, Any]) -> None:
+    """The headline figures from the ways' summaries (in place)."""
+    rec, disk = res.get("recovered"), res.get("disk_restart")
+    if rec:
+        res.update({k: rec[k] for k in ("completed", "steps_lost") if k in rec})
+        res["recovery_s"], res["recovery_parts_s"] = rec.get("recovery_s"), rec.get("recovery_parts_s")
+        ref = (res.get("reference") or {}).get("held_out")
+        if ref and rec["held_out"] is not None:
+            res["held_out_vs_reference"] = abs(rec["held_out"] / ref - 1.0)
+    if rec and disk:
+        res["recovered_vs_disk_restart"] = round(rec["wall_s"] / disk["wall_s"], 4)
+        if rec["step_s_before"] and disk["step_s_before"]:
+            res["snapshot_overhead"] = round(rec["step_s_before"] / disk["step_s_before"] - 1.0, 4)
+
+
+def _switch_step(res: Dict[str, Any], lose_at: int) -> int:
+    """Where the reference switches plans: where the recovered run did (the step it resumed from), so that
+    the two compute every later step under the same plan; the fault's step without a recovered run."""
+    rec = res.get("recovered") or {}
+    return int(rec["resumed_at"]) if rec.get("resumed_at") else lose_at
+
+
+def _write_out(res: Dict[str, Any], series: Dict[str, Any], out: Optional[str]) -> None:
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump({**res, "global_batch": GLOBAL_BATCH, "series": series}, f, indent=1)
+        log(f"[bench faults] wrote {out} (pdv plot faults {out})")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -264,6 +302,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--only", default="reference,recovered,disk_restart")
     ap.add_argument("--quick", action="store_true", help="12 steps, host B lost after step 4")
+    ap.add_argument("--out", default=None, metavar="FILE",
+                    help="also write the result with each way's steps over time to FILE (for `pdv plot faults`)")
     ap.add_argument("--scenario", default=None, metavar="FILE",
                     help="a fault scenario (launch/scenarios/host_loss.yaml, device_loss.yaml) on the emulated "
                          "cluster (root): its fault played by `pdv emulate`; --steps overrides its run's steps")
@@ -274,7 +314,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         kinds = [k.strip() for k in args.only.split(",") if k.strip()]
         try:
-            res = run_scenario(args.scenario, args.steps, args.timeout, kinds, args.hidden)
+            res = run_scenario(args.scenario, args.steps, args.timeout, kinds, args.hidden, args.out)
         except ConfigError as exc:
             for line in exc.errors:
                 print(f"pdv bench faults: {line}", file=sys.stderr)
@@ -301,28 +341,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     res: Dict[str, Any] = {"steps": args.steps, "lose_at": lose_at, "ckpt_every": args.ckpt_every}
     runs: Dict[str, Any] = {}
     try:
-        if "reference" in kinds:
-            log("[bench faults] reference: 4 workers to the step, a disk checkpoint, 2 workers from it")
-            runs["reference"] = _reference(work, args.steps, lose_at, args.hidden, args.sleep, args.timeout)
-            ref = runs["reference"]["logs"]["hostA-rank0"]
-            res["reference"] = {"held_out": [e["held_out"] for e in ref if "held_out" in e][-1],
-                                "wall_s": round(runs["reference"]["wall_s"], 2)}
+        series: Dict[str, Any] = {}
         for kind, mode in (("recovered", "snapshots"), ("disk_restart", "disk")):
             if kind in kinds:
                 log(f"[bench faults] {kind}: two hosts, host B lost after step {lose_at}")
                 runs[kind] = _lost_host(work, kind, mode, args.steps, lose_at, args.ckpt_every, args.hidden,
                                         args.sleep, args.timeout)
                 res[kind] = _summary(runs[kind], args.steps)
-        rec, disk = res.get("recovered"), res.get("disk_restart")
-        if rec:
-            res.update({k: rec[k] for k in ("completed", "steps_lost") if k in rec})
-            res["recovery_s"], res["recovery_parts_s"] = rec.get("recovery_s"), rec.get("recovery_parts_s")
-            if "reference" in res and rec["held_out"] is not None:
-                res["held_out_vs_reference"] = abs(rec["held_out"] / res["reference"]["held_out"] - 1.0)
-        if rec and disk:
-            res["recovered_vs_disk_restart"] = round(rec["wall_s"] / disk["wall_s"], 4)
-            if rec["step_s_before"] and disk["step_s_before"]:
-                res["snapshot_overhead"] = round(rec["step_s_before"] / disk["step_s_before"] - 1.0, 4)
+                series[kind] = _series(runs[kind]["logs"]["hostA-rank0"], runs[kind]["t_kill"])
+        if "reference" in kinds:
+            at = _switch_step(res, lose_at)
+            log(f"[bench faults] reference: 4 workers to step {at}, a disk checkpoint, 2 workers from it")
+            runs["reference"] = _reference(work, args.steps, at, args.hidden, args.sleep, args.timeout)
+            ref = runs["reference"]["logs"]["hostA-rank0"]
+            res["reference"] = {"held_out": [e["held_out"] for e in ref if "held_out" in e][-1], "switch_at": at,
+                                "wall_s": round(runs["reference"]["wall_s"], 2)}
+        _combine(res)
+        _write_out(res, series, args.out)
     finally:
         for run in runs.values():  # DeepSpeed's CPU all-reduce workspaces of every attempt
             for port in {e["master"][1] for lines in run["logs"].values() for e in lines if e.get("master")}:
