@@ -232,8 +232,9 @@ def plot_faults(result_path: str, out: str, smooth: int = 3) -> List[str]:
     ax.set_xlabel("seconds since the job started")
     ax.set_ylabel(f"samples/s (mean of {k} steps)")
     ax.set_ylim(bottom=0)
+    ax.set_xlim(left=0)  # from the job's start: the start-up (imports, engine) shows as the blank before the first step
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower left", fontsize=9)
+    ax.legend(loc="upper left", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
