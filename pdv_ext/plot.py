@@ -101,6 +101,12 @@ def _event_label(e: Dict[str, Any]) -> str:
     return f"{what} {e.get('bandwidth', 0) * 8 / 1e6:g} Mbit/s"
 
 
+def _rolling(values: List[float], k: int) -> List[float]:
+    """The mean of each value and the up to k - 1 before it."""
+    k = max(1, int(k))
+    return [sum(values[max(0, i - k + 1): i + 1]) / len(values[max(0, i - k + 1): i + 1]) for i in range(len(values))]
+
+
 def plot_adapt(result_path: str, out: str, smooth: int = 3) -> List[str]:
     """samples/s over training time for the static, adaptive and oracle runs of `pdv bench adapt` (a rolling
     mean over `smooth` steps), the events as vertical lines (when each run met them: the same offset from
@@ -127,8 +133,7 @@ def plot_adapt(result_path: str, out: str, smooth: int = 3) -> List[str]:
         colour, label = RUN_STYLE[kind]
         t = [end - run["start"] for end in run["ends"]]
         rate = [run["global_batch"] / d for d in run["durations"]]
-        k = max(1, int(smooth))
-        smoothed = [sum(rate[max(0, i - k + 1): i + 1]) / len(rate[max(0, i - k + 1): i + 1]) for i in range(len(rate))]
+        smoothed = _rolling(rate, smooth)
         wall = res.get(kind, {}).get("wall_seconds")
         ax.plot(t, smoothed, color=colour, lw=1.6,
                 label=f"{label}: {wall:.0f} s" if isinstance(wall, (int, float)) else label)
@@ -209,8 +214,7 @@ def plot_faults(result_path: str, out: str, smooth: int = 3) -> List[str]:
                 xs.append(float("nan"))
                 ys.append(float("nan"))
             xs += [x for x, _ in pts]
-            ys += [sum(r for _, r in pts[max(0, i - k + 1): i + 1]) / len(pts[max(0, i - k + 1): i + 1])
-                   for i in range(len(pts))]
+            ys += _rolling([r for _, r in pts], k)
         summary = res.get(kind, {})
         ax.plot(xs, ys, color=colour, lw=1.6, label=f"{label}: {summary.get('wall_s', 0):.0f} s, "
                                                     f"{summary.get('steps_lost', '?')} step(s) lost")

@@ -235,71 +235,47 @@ class Emulation:
                     pass
         stream.close()
 
-    def _wait_elastic(self) -> int:
-        """An elastic run ends when every device's agent has ended; agents killed by a fault do not count.
-        The first other agent that fails stops the run after `grace`."""
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        first: Optional[tuple] = None
-        while True:
-            if self.player is not None and self.player.error:
-                self.log("stopping the run: an event could not be applied")
-                raise EventError(self.player.error)
-            with self._lock:
-                live = {i: p.poll() for i, p in self.agents.items() if i not in self.stopped}
-            # the job is over when every agent that did not come back mid-run has ended well
-            stayed = [c for j, c in live.items() if j not in self.returned]
-            job_over = bool(stayed) and all(c == 0 for c in stayed)
-            for i, c in live.items():
-                if c not in (None, 0) and i in self.returned and i not in self.forgiven:
-                    # an agent that came back finds the rendezvous closed when the job ended meanwhile (as on a
-                    # real cluster): not a failure of the job, once every other agent has ended well
-                    since = self._late.setdefault(i, time.monotonic())
-                    if job_over:
-                        self.forgiven.add(i)
-                        self.log(f"{self.spec.devices[i].name} came back after the job had ended (exit {c}: its "
-                                 "rendezvous was closed); not counted")
-                    elif time.monotonic() - since < self.grace:
-                        live[i] = None  # wait a little for the others to end
-            live = {i: (0 if i in self.forgiven else c) for i, c in live.items()}
-            if first is None:
-                for i, c in live.items():
-                    if c not in (None, 0):
-                        first = (i, c)
-                        self.log(f"the agent of {self.spec.devices[i].name} exited with {c}; stopping the others "
-                                 f"in {self.grace:.0f}s")
-                        deadline = min(deadline or float("inf"), time.monotonic() + self.grace)
-                        break
-            if all(c is not None for c in live.values()):
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                if first is None:
-                    self.log(f"timed out after {self.timeout:.0f}s")
-                    return TIMEOUT_EXIT
-                break
-            time.sleep(0.05)
-        if first is None:
-            return 0
-        self.failed_rank = first[0]
-        return 128 - first[1] if first[1] < 0 else first[1]
+    def _live_agents(self) -> Dict[int, Optional[int]]:
+        """Elastic runs: each device's agent's exit code (None: running), agents killed by a fault left out.
+        An agent that came back after the job ended finds the rendezvous closed (as on a real cluster): once
+        every agent that stayed has ended well it counts as 0, and for `grace` seconds it counts as running."""
+        with self._lock:
+            live = {i: p.poll() for i, p in self.agents.items() if i not in self.stopped}
+        stayed = [c for j, c in live.items() if j not in self.returned]
+        job_over = bool(stayed) and all(c == 0 for c in stayed)
+        for i, c in live.items():
+            if c not in (None, 0) and i in self.returned and i not in self.forgiven:
+                since = self._late.setdefault(i, time.monotonic())
+                if job_over:
+                    self.forgiven.add(i)
+                    self.log(f"{self.spec.devices[i].name} came back after the job had ended (exit {c}: its "
+                             "rendezvous was closed); not counted")
+                elif time.monotonic() - since < self.grace:
+                    live[i] = None  # wait a little for the others to end
+        return {i: (0 if i in self.forgiven else c) for i, c in live.items()}
 
     def wait(self) -> int:
+        """Until every rank (elastic: every agent not killed by a fault) has ended; the first that fails stops
+        the others after `grace`. Returns 0, the first failure's code, or 124 on timeout."""
         if self.elastic:
-            return self._wait_elastic()
+            poll, what = self._live_agents, (lambda i: f"the agent of {self.spec.devices[i].name}")
+        else:
+            poll, what = (lambda: dict(enumerate(p.poll() for p in self.procs))), (lambda i: f"rank {i}")
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        first: Optional[tuple] = None  # (rank, code)
+        first: Optional[tuple] = None  # (rank or device, code)
         while True:
             if self.player is not None and self.player.error:
                 self.log("stopping the run: an event could not be applied")
                 raise EventError(self.player.error)
-            codes = [p.poll() for p in self.procs]
+            codes = poll()
             if first is None:
-                for i, c in enumerate(codes):
+                for i, c in codes.items():
                     if c not in (None, 0):
                         first = (i, c)
-                        self.log(f"rank {i} exited with {c}; stopping the others in {self.grace:.0f}s")
+                        self.log(f"{what(i)} exited with {c}; stopping the others in {self.grace:.0f}s")
                         deadline = min(deadline or float("inf"), time.monotonic() + self.grace)
                         break
-            if all(c is not None for c in codes):
+            if all(c is not None for c in codes.values()):
                 break
             if deadline is not None and time.monotonic() > deadline:
                 if first is None:
