@@ -63,13 +63,13 @@ def _read(out: str) -> Dict[str, List[Dict[str, Any]]]:
 
 
 def _lost_host(work: str, name: str, mode: str, steps: int, lose_at: int, ckpt_every: int, hidden: int,
-               sleep: float, timeout: float) -> Dict[str, Any]:
+               sleep: float, timeout: float, every: str = "1") -> Dict[str, Any]:
     """Two agents, host B lost after step `lose_at`; returns the logs, the kill time and the wall time."""
     out, root = os.path.join(work, name), os.path.join(work, f"{name}-root")
     os.makedirs(out)
     port = free_port()
     job = ["--out", out, "--root", root, "--mode", mode, "--steps", str(steps), "--ckpt-every", str(ckpt_every),
-           "--hidden", str(hidden), "--sleep", str(sleep)]
+           "--hidden", str(hidden), "--sleep", str(sleep), "--every", every]
     env, agents, t_kill = _env(), {}, None
     t0 = time.time()
     try:
@@ -143,6 +143,9 @@ def _summary(run: Dict[str, Any], steps: int) -> Dict[str, Any]:
                                    "startup": round(s["t_ready"] - s["t_process"], 2),
                                    "state_load": round(s["resume_s"], 2),
                                    "first_step": round(first - s["t_ready"] - s["resume_s"], 2)}
+    intervals = [e["snapshot"]["interval"] for e in lines if "snapshot" in e and e["attempt"] == 0]
+    if intervals:  # the snapshots' spacing before the loss (every: auto chooses it)
+        out["snapshot_interval"] = statistics.median(intervals)
     before = [e["t"] for e in lines if "step" in e and e["attempt"] == 0]
     out["step_s_before"] = statistics.median([b - a for a, b in zip(before, before[1:])]) if len(before) > 2 else None
     return out
@@ -203,7 +206,7 @@ def _survivor_summary(run: Dict[str, Any], steps: int, device: str) -> Dict[str,
 
 
 def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str], hidden: int,
-                 out: Optional[str] = None) -> Dict[str, Any]:
+                 out: Optional[str] = None, every: str = "1") -> Dict[str, Any]:
     sc, cluster_path, cluster, lost, left = _scenario(path)
     steps = steps or sc.run.steps
     lose_at = lost.at_step
@@ -214,7 +217,8 @@ def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str
     watch = cluster.devices[left[0]].name
     work = tempfile.mkdtemp(prefix="pdv-bench-faults-")
     res: Dict[str, Any] = {"scenario": os.path.basename(path), "steps": steps, "lose_at": lose_at,
-                           "lost": lost.target, "devices_left": len(left), "pipe": sc.run.pipe}
+                           "lost": lost.target, "devices_left": len(left), "pipe": sc.run.pipe,
+                           "snapshot_every": every}
     base = ["--steps", str(steps), "--pipe", str(sc.run.pipe), "--hidden", str(hidden)]
     series: Dict[str, Any] = {}
     try:
@@ -226,7 +230,8 @@ def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str
             if kind in only:
                 log(f"[bench faults] {kind}: {lost.target} lost after step {lose_at}")
                 run = _emulate(work, kind, cluster_path, ev,
-                               base + ["--root", os.path.join(work, f"{kind}-root"), "--mode", mode], timeout)
+                               base + ["--root", os.path.join(work, f"{kind}-root"), "--mode", mode, "--every", every],
+                               timeout)
                 res[kind] = _survivor_summary(run, steps, watch)
                 series[kind] = _series(run["logs"][watch], run["t_kill"])
         if "reference" in only:
@@ -298,6 +303,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--lose-at", type=int, default=None, help="the step after which host B is lost (default a third)")
     ap.add_argument("--ckpt-every", type=int, default=25, help="disk_restart: a checkpoint every N steps")
     ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--every", default="1", help="recovered: pdv.snapshots.every (steps, or auto; default 1)")
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds added to each step (a slower job)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--only", default="reference,recovered,disk_restart")
@@ -308,13 +314,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="a fault scenario (launch/scenarios/host_loss.yaml, device_loss.yaml) on the emulated "
                          "cluster (root): its fault played by `pdv emulate`; --steps overrides its run's steps")
     args = ap.parse_args(argv)
+    if args.every != "auto" and not (args.every.isdigit() and int(args.every) >= 1):
+        ap.error(f"--every {args.every!r}: a number of steps >= 1, or auto")
     if args.scenario:
         from ..config_base import ConfigError
         from ..emulate.launcher import EmulationUnavailable, check_available
 
         kinds = [k.strip() for k in args.only.split(",") if k.strip()]
         try:
-            res = run_scenario(args.scenario, args.steps, args.timeout, kinds, args.hidden, args.out)
+            res = run_scenario(args.scenario, args.steps, args.timeout, kinds, args.hidden, args.out, args.every)
         except ConfigError as exc:
             for line in exc.errors:
                 print(f"pdv bench faults: {line}", file=sys.stderr)
@@ -338,7 +346,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if bad:
         ap.error(f"--only: unknown {', '.join(bad)} (reference, recovered, disk_restart)")
     work = tempfile.mkdtemp(prefix="pdv-bench-faults-")
-    res: Dict[str, Any] = {"steps": args.steps, "lose_at": lose_at, "ckpt_every": args.ckpt_every}
+    res: Dict[str, Any] = {"steps": args.steps, "lose_at": lose_at, "ckpt_every": args.ckpt_every,
+                           "snapshot_every": args.every}
     runs: Dict[str, Any] = {}
     try:
         series: Dict[str, Any] = {}
@@ -346,7 +355,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if kind in kinds:
                 log(f"[bench faults] {kind}: two hosts, host B lost after step {lose_at}")
                 runs[kind] = _lost_host(work, kind, mode, args.steps, lose_at, args.ckpt_every, args.hidden,
-                                        args.sleep, args.timeout)
+                                        args.sleep, args.timeout, args.every)
                 res[kind] = _summary(runs[kind], args.steps)
                 series[kind] = _series(runs[kind]["logs"]["hostA-rank0"], runs[kind]["t_kill"])
         if "reference" in kinds:

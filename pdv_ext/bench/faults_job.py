@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--host-tag", default="", help="(marks a host's processes for the bench)")
     ap.add_argument("--pipe", type=int, default=2, help="pipeline stages (the rest of the world: replicas)")
+    ap.add_argument("--every", default="1", help="snapshots: steps between them, or auto")
     args = ap.parse_args()
 
     import deepspeed
@@ -54,7 +55,8 @@ def main() -> None:
     pdv = {"placement": {"boundaries": bounds, "rank_mapping": [list(range(s * dp, (s + 1) * dp))
                                                                 for s in range(args.pipe)]}}
     if args.mode == "snapshots":
-        pdv["snapshots"] = {"root": args.root, "job": "bench-faults", "every": 1}
+        pdv["snapshots"] = {"root": args.root, "job": "bench-faults",
+                            "every": args.every if args.every == "auto" else int(args.every)}
     # 96 samples a step: 12 micro-batches over the replicas, whether 4, 3, 2 or 1 are left
     cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 12 // dp, "steps_per_print": 10 ** 9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, "gradient_clipping": 1.0,
@@ -83,8 +85,10 @@ def main() -> None:
         mark_step(int(engine.global_steps))  # under `pdv emulate`, events placed at_step count these steps
         while engine.global_steps < last:
             loss = float(engine.train_batch(data_iter=data))
-            log.write(json.dumps({"attempt": attempt, "step": int(engine.global_steps), "loss": loss,
-                                  "t": time.time()}) + "\n")
+            rec = {"attempt": attempt, "step": int(engine.global_steps), "loss": loss, "t": time.time()}
+            if engine.pdv_snapshots is not None and engine.pdv_snapshots.last:  # the previous snapshot's parts
+                rec["snapshot"] = {k: round(v, 4) for k, v in engine.pdv_snapshots.last.items()}
+            log.write(json.dumps(rec) + "\n")
             log.flush()
             step = int(engine.global_steps)
             mark_step(step)

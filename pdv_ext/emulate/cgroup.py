@@ -137,6 +137,21 @@ class CpuGroups:
     def procs_file(self, i: int) -> str:
         return os.path.join(self.paths[i], "cgroup.procs")
 
+    def host_procs(self, host: str) -> str:
+        """The `cgroup.procs` file of host `host`'s own group, without a quota (made on first use): the work a
+        real host does on the cores its GPUs leave (pdv's snapshot keepers) runs there, on the CPU the
+        devices leave idle, at the default weight (below the devices': they come first when the CPU is
+        short)."""
+        path = os.path.join(self.parent, f"host-{host}")
+        os.makedirs(path, exist_ok=True)
+        return os.path.join(path, "cgroup.procs")
+
+    def kill_host(self, host: str, timeout: float = 10.0) -> None:
+        """Host `host` is lost: whatever runs in its own group dies with it."""
+        path = os.path.join(self.parent, f"host-{host}")
+        if os.path.isdir(path):
+            kill_all(path, time.monotonic() + timeout)
+
     def kill(self, i: int, timeout: float = 10.0) -> None:
         """Device i stops: every process in its group dies at once (SIGKILL), the group stays."""
         kill_all(self.paths[i], time.monotonic() + timeout)

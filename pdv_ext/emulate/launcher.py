@@ -23,6 +23,7 @@ import threading
 import time
 from typing import BinaryIO, Dict, List, Optional, Sequence
 
+from ..recovery.keeper import CGROUP_ENV as KEEPER_CGROUP
 from ..spawn import default_env, kill_group
 from . import cgroup, netns
 from . import elastic as el
@@ -121,6 +122,7 @@ class Emulation:
                 "LOCAL_WORLD_SIZE": str(spec.local_size(i)), "MASTER_ADDR": device_ip(spec, 0),
                 "MASTER_PORT": str(MASTER_PORT), "PDV_DEVICE_NAME": d.name, "PDV_HOST": d.host,
                 "PDV_DEVICE_CORES": f"{self.cores[i]:.4f}", "PDV_EMULATION": self.name,
+                **({KEEPER_CGROUP: self.groups.host_procs(d.host)} if self.groups is not None else {}),
                 "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0",
                 "OMP_NUM_THREADS": "1", **({MARK_ENV: self.mark_path} if self.mark_path else {}),
                 **({STEP_ENV: self.step_path} if self.step_path else {})}
@@ -173,7 +175,8 @@ class Emulation:
             if agent is not None:
                 kill_group(agent)
             self.groups.kill(i)
-        for k in c.hosts_down:  # ... and a lost host's memory and links with it
+        for k in c.hosts_down:  # ... and a lost host's processes, memory and links with it
+            self.groups.kill_host(self.spec.hosts[k])
             shutil.rmtree(self.host_memory(self.spec.hosts[k]), ignore_errors=True)
             self.net.set_host_link(k, False)
         for k in c.hosts_up:

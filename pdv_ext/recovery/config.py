@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field
 
@@ -21,7 +21,11 @@ class SnapshotsConfig(StrictModel):
     host's memory under `root`, on at least two hosts where the job has two; a restarted job resumes from the
     newest step every layer of which survived."""
 
-    every: int = Field(1, ge=1, description="steps between snapshots")
+    every: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = Field(
+        1, description="steps between snapshots; 'auto': as often as the last snapshot's time allows, so that "
+                       "the next one starts after it finished (where the link to the other host or the host's "
+                       "CPU cannot take one every step: fewer steps of overhead, more steps at risk)")
+    max_every: int = Field(50, ge=1, description="'auto' never waits longer than this many steps")
     keep: int = Field(2, ge=1, description="snapshots kept per host (the newest)")
     root: str = Field(default_factory=default_root, description="folder in host memory (each host its own)")
     job: Optional[str] = Field(None, description="name of this job's snapshots under root (default: torchrun's "

@@ -58,7 +58,7 @@ class HostStore:
     """This host's snapshots of one job (`root/job/host`)."""
 
     def __init__(self, root: str, job: str, host: Optional[str] = None):
-        self.host = host or host_name()
+        self.root, self.job, self.host = root, job, host or host_name()
         self.base = os.path.join(root, job, self.host)  # load_layer_checkpoint(engine, base, tag) reads here
 
     # -- writing -----------------------------------------------------------------------------------------
@@ -138,6 +138,12 @@ class HostStore:
             if files:
                 out[step] = {"files": files, "expected": list(expected)}
         return out
+
+    def read_raw(self, step: int, name: str) -> bytes:
+        """The bytes of a file this process has just written (unchecked: for its copy to another host, whose
+        receiver hashes what arrives and seals that)."""
+        with open(os.path.join(self.folder(step), name), "rb") as f:
+            return f.read()
 
     def read(self, step: int, name: str, sha256: str) -> bytes:
         """The bytes of a sealed file, checked against its sha256."""

@@ -53,3 +53,19 @@ def after_loss(mode: str, plan: Dict[str, Any], hosts: List[str], root: str, job
     out["reference_state"] = whole_state(eng)
     out["reference"] = train(eng, data, n)
     return out
+
+
+def auto_every(plan: Dict[str, Any], hosts: List[str], root: str, job: str, k: int) -> Dict[str, Any]:
+    """`every: auto`: k steps; after each, the step the next snapshot is due at (what every rank must agree
+    on, or their snapshots' collectives cross)."""
+    os.environ["PDV_HOST"] = hosts[int(os.environ["RANK"])]
+    cfg = _config(root, job)
+    cfg["snapshots"]["every"] = "auto"
+    eng, data = build("fp32", plan, cfg)
+    due = []
+    for _ in range(k):
+        train(eng, data, 1)
+        due.append(eng.pdv_snapshots.next_due)
+    eng.pdv_snapshots.wait()
+    return {"due": due, "interval": eng.pdv_snapshots.interval, "step": int(eng.global_steps),
+            "complete": sorted(eng.pdv_snapshots.store.complete())}

@@ -115,3 +115,19 @@ def test_a_host_that_comes_back_is_used_again(tmp_path):
         assert r["resumed"] == r["reference"]
     # B is used again: the two steps after the resume have their copies there too
     assert sorted(os.listdir(os.path.join(root, "j", "hostB"))) == ["step00000003", "step00000004"]
+
+
+@pytest.mark.timeout(420)
+def test_auto_interval_is_agreed(tmp_path):
+    """`every: auto`: the ranks agree on when the next snapshot is due (the slowest snapshot over the slowest
+    step), so they all take the same snapshots; the first at step 1, each next one where the last agreed."""
+    root = str(tmp_path / "shm")
+    out = _run("auto_every", 4, plan=PIPE2x2, hosts=["hostA", "hostA", "hostB", "hostB"], root=root, job="j", k=8)
+    dues = [r["due"] for r in out]
+    assert all(d == dues[0] for d in dues), dues
+    due = dues[0]
+    assert due[0] == 2  # step 1's snapshot, then the next one step later (nothing timed yet)
+    taken = [1] + [s + 1 for s in range(1, 8) if due[s] != due[s - 1]]  # the steps a snapshot was taken at
+    assert all(b > a for a, b in zip(taken, taken[1:])) and taken[-1] <= 8
+    newest = [max(r["complete"]) for r in out]
+    assert newest == [taken[-1]] * 4, (newest, taken)  # each host holds the newest snapshot taken

@@ -156,3 +156,12 @@ def test_fault_injection_fires_once_where_asked(monkeypatch):
     monkeypatch.setenv(snap.FAULT_ENV, "later@3:0")
     with pytest.raises(ValueError, match="PHASE@STEP:RANK"):
         snap._fault("seal", 3, 0)
+
+
+def test_auto_interval():
+    from pdv_ext.integrations.deepspeed.snapshots import auto_interval
+
+    assert auto_interval(0.1, 0.0, 50) == 1  # no step timed yet
+    assert auto_interval(0.05, 0.2, 50) == 1  # done well within a step
+    assert auto_interval(0.48, 0.21, 50) == 3  # a slow link: 0.6 s with the margin, three steps
+    assert auto_interval(100.0, 0.1, 50) == 50  # never more than max_every

@@ -238,6 +238,15 @@ def layout_of(engine: Any) -> _Layout:
                       [[_Fragment(*f) for f in frs] for frs in found["fragments"]], complete, agree)
 
 
+def collect_is_collective(engine: Any) -> bool:
+    """Whether `collect_params` is a collective over the stage's replicas (BF16_Optimizer, ZeRO-1: each holds
+    a part of the fp32 masters and the optimizer state), so that every replica must call it."""
+    found = internals.optimizer_layout(engine.optimizer)
+    if found is None or found["fragments"] is None or found["dp_group"] is None:
+        return False
+    return dist.get_world_size(group=found["dp_group"]) > 1
+
+
 # ---------------------------------------------------------------------------------------------------
 # Parameters: collect (full tensors) and apply (local fragments)
 # ---------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ whatever its plan. Nothing left that covers every layer: one `SnapshotLost` erro
 from __future__ import annotations
 
 import io
+import math
 import os
 import re
 import shutil
@@ -29,8 +30,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ...recovery.keeper import Keeper
 from ...recovery.store import HostStore, SnapshotLost, missing_files, newest_complete, tag_of
 from .checkpoint import load_layer_checkpoint, meta_of, stage_layer_entries
+from .layer_state import collect_is_collective
 from .safe_io import check_plain
 from .topology import current_mapping
 
@@ -52,15 +55,19 @@ FAULT_PHASES = ("serialize", "write", "send", "seal", "prune", "resume")
 FAULT_EXIT = 17
 
 
-def _fault(phase: str, step: int, rank: int) -> None:
+def _faulty(phase: str, step: int, rank: int) -> bool:
     spec = os.environ.get(FAULT_ENV)
     if not spec:
-        return
+        return False
     m = re.fullmatch(r"(\w+)@(\d+):(\d+)", spec.strip())
     if m is None or m.group(1) not in FAULT_PHASES:
         raise ValueError(f"{FAULT_ENV}={spec!r}: expected PHASE@STEP:RANK, PHASE one of {', '.join(FAULT_PHASES)}")
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if (m.group(1), int(m.group(2)), int(m.group(3)), attempt) == (phase, step, rank, int(phase == "resume")):
+    return (m.group(1), int(m.group(2)), int(m.group(3)), attempt) == (phase, step, rank, int(phase == "resume"))
+
+
+def _fault(phase: str, step: int, rank: int) -> None:
+    if _faulty(phase, step, rank):
         os._exit(FAULT_EXIT)
 
 
@@ -78,31 +85,35 @@ def _hosts(store: HostStore) -> List[str]:
     return [str(h) for h in hosts]
 
 
-def _send(data: bytes, dst: int, group: Any = None) -> None:
-    dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, group=group)
-    if data:
-        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=group)
+CHUNK = 1 << 18  # a paced copy for another host goes in pieces of this many bytes
+PACE = 0.25  # every: auto sends those copies at this share of the rate the first copy measured
+
+
+def _send(data: bytes, dst: int, group: Any = None, rate: Optional[float] = None) -> None:
+    """`data` to rank `dst`: one message, or with `rate` (bytes/s) CHUNK-byte pieces no faster than that, so
+    that a copy for another host leaves the link to the step's own messages most of the time."""
+    chunk = CHUNK if rate else max(len(data), 1)
+    dist.send(torch.tensor([len(data), chunk], dtype=torch.int64), dst, group=group)
+    if not data:
+        return
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    t0 = time.perf_counter()
+    for o in range(0, len(data), chunk):
+        dist.send(buf[o:o + chunk], dst, group=group)
+        if rate:
+            ahead = (o + chunk) / rate - (time.perf_counter() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
 
 
 def _recv(src: int, group: Any = None) -> bytes:
-    n = torch.empty(1, dtype=torch.int64)
-    dist.recv(n, src, group=group)
-    buf = torch.empty(int(n.item()), dtype=torch.uint8)
-    if buf.numel():
-        dist.recv(buf, src, group=group)
+    head = torch.empty(2, dtype=torch.int64)
+    dist.recv(head, src, group=group)
+    n, chunk = int(head[0]), int(head[1])
+    buf = torch.empty(n, dtype=torch.uint8)
+    for o in range(0, n, chunk):
+        dist.recv(buf[o:o + chunk], src, group=group)
     return buf.numpy().tobytes()
-
-
-def _copied(obj: Any) -> Any:
-    """`obj` with every tensor copied to the CPU (lists, tuples and dicts rebuilt): what a background write
-    reads while the training thread updates the weights and optimizer state in place."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _copied(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_copied(v) for v in obj)
-    return obj
 
 
 def plan_writers(mapping: List[List[int]], hosts: List[str]) -> Tuple[Dict[int, List[int]], Dict[int, Tuple[int, int]]]:
@@ -122,6 +133,48 @@ def plan_writers(mapping: List[List[int]], hosts: List[str]) -> Tuple[Dict[int, 
     return writers, buddies
 
 
+def auto_interval(snapshot_s: float, step_s: float, max_every: int) -> int:
+    """(every: auto) Steps from one snapshot to the next: its time over a step's, a quarter to spare, at
+    least 1 (no step timed yet: 1), at most `max_every`."""
+    if step_s <= 0.0:
+        return 1
+    return int(min(max_every, max(1, math.ceil(1.25 * snapshot_s / step_s))))
+
+
+class _Plan:
+    """Who does what in a snapshot under one plan (the same on every rank): the files a complete step has,
+    each stage's writers, the copies for another host, the rank that makes `meta.pt` and one writer per host
+    that stores it; the participants (every rank that writes, sends or receives) and their own process
+    groups (one for the background thread, one for a snapshot inside the step). The other ranks take no part
+    in the writing: their stage's files come from a replica on the same host."""
+
+    def __init__(self, key: Any, expected: Any, writers: Dict[int, List[int]], buddies: Dict[int, Tuple[int, int]],
+                 meta_src: int, meta_writers: List[int], gathers: bool, timeout: float):
+        self.key, self.expected, self.writers, self.buddies = key, expected, writers, buddies
+        self.meta_src, self.meta_writers, self.gathers = meta_src, set(meta_writers), gathers
+        self.participants = sorted({r for ws in writers.values() for r in ws} | {d for _, d in buddies.values()}
+                                   | {meta_src})
+        # collective over the default group: every rank makes the plan at the same snapshot
+        self.group = dist.new_group(self.participants, backend="gloo", timeout=timedelta(seconds=timeout))
+        self.sync_group = dist.new_group(self.participants)
+
+    @classmethod
+    def make(cls, key: Any, mapping: List[List[int]], hosts: List[str], by_layer: Dict[int, Any],
+             collective: bool, timeout: float) -> "_Plan":
+        """(collective) `collective`: gathering this stage's entries is a collective of its replicas (every
+        replica calls it at every snapshot); so is any gather of the replicas' own parts, seen in `by_layer`."""
+        layers: List[Any] = [None] * dist.get_world_size()
+        mine = (sorted(by_layer), any(len(e.get("replicas", [None])) > 1 for ents in by_layer.values()
+                                      for e in ents.values()))
+        dist.all_gather_object(layers, mine)
+        expected = {f"layer_{i:02d}.pt" for ls, _ in layers for i in ls} | {"meta.pt"}
+        writers, buddies = plan_writers(mapping, hosts)
+        every_writer = sorted({r for ws in writers.values() for r in ws})
+        meta_writers = [min(r for r in every_writer if hosts[r] == h) for h in sorted({hosts[r] for r in every_writer})]
+        return cls(key, expected, writers, buddies, mapping[0][0], meta_writers,
+                   collective or any(g for _, g in layers), timeout)
+
+
 class Snapshots:
     """A job's snapshots as this rank sees them (`engine.pdv_snapshots`): `take(engine)` after a step,
     `resume(engine)` at start-up. Holds no engine (a move swaps the engine's state for a new one's)."""
@@ -138,9 +191,26 @@ class Snapshots:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self.resumed: Dict[str, float] = {}  # the last resume: its step and seconds
+        self._plan: Optional[Tuple[Any, ...]] = None  # (plan key, expected files, writers, buddies)
+        self._keeper: Optional[Keeper] = None  # the process that writes this rank's files (background mode)
+        # every: auto: the next snapshot's step, and the interval every rank agreed on at the end of the last one
+        self.next_due, self.interval = 1, 1
+        self._link_rate: Optional[float] = None  # bytes/s of the first copy to another host (every: auto paces)
+        self._last_take: Optional[Tuple[int, float]] = None
 
     def due(self, engine: Any) -> bool:
+        if self.cfg.every == "auto":
+            return engine.global_steps > 0 and engine.global_steps >= self.next_due
         return engine.global_steps > 0 and engine.global_steps % self.cfg.every == 0
+
+    def _step_seconds(self, step: int, now: float) -> float:
+        """Seconds a training step took since the last snapshot (this rank's clock; 'auto' agrees on the
+        largest)."""
+        prev = self._last_take
+        self._last_take = (step, now)
+        if prev is None or step <= prev[0]:
+            return 0.0
+        return (now - prev[1]) / (step - prev[0])
 
     def _host_leader(self, rank: int) -> bool:
         return rank == min(r for r, h in enumerate(self.hosts) if h == self.store.host)
@@ -158,28 +228,51 @@ class Snapshots:
         """Snapshot the engine's state at its current step (collective). What the state is gets settled here,
         on every rank (a copy of it where the writing runs in the background, `background`: default); the
         bytes are written, sent and sealed by a thread while training goes on. Returns this rank's figures of
-        the previous snapshot (seconds and their parts, bytes written)."""
+        the previous snapshot (seconds and their parts, bytes written).
+
+        On the step's path only: this stage's entries and their copy into the keeper's buffer, on the ranks
+        that write or send them (`_Plan.participants`), and `meta.pt`'s bytes on the rank that makes them.
+        Which files a complete step has, who writes them and who takes part is worked out once per plan (one
+        all-gather); the other ranks (the replicas whose files another replica writes) do nothing more."""
         self.wait()
         t0 = time.perf_counter()
         step, rank = int(eng.global_steps), int(eng.global_rank)
+        self.next_due = step + self.interval  # (every: auto) the interval the last snapshot's end agreed on
+        step_s = self._step_seconds(step, t0)
         mapping = current_mapping(eng.module)
-        by_layer, pdv, whole = stage_layer_entries(eng)
-        layers: List[Any] = [None] * dist.get_world_size()  # every layer file a complete step has
-        dist.all_gather_object(layers, sorted(by_layer))
-        expected = {f"layer_{i:02d}.pt" for ls in layers for i in ls} | {"meta.pt"}
-        meta: List[Any] = [meta_of(eng, pdv, whole) if mapping[0][0] == rank else None]
-        dist.broadcast_object_list(meta, src=mapping[0][0])
-        writers, buddies = plan_writers(mapping, self.hosts)
-        sends = rank in writers[eng.stage_id] or any(src == rank for src, _ in buddies.values())
-        entries = by_layer if sends else {}
-        meta_obj = meta[0] if self._host_leader(rank) else None
-        job = dict(step=step, rank=rank, entries=entries, meta=meta_obj, writes=rank in writers[eng.stage_id],
-                   buddies=buddies, expected=expected, t0=t0)
-        if self._group is None:
-            self._write(**job, t_collect=time.perf_counter(), group=None)
+        key = (tuple(tuple(r) for r in mapping), tuple(int(p) for p in eng.module.parts),
+               type(eng.aggregator).__name__)
+        plan = self._plan
+        if plan is None or plan.key != key:
+            by_layer, pdv, whole = stage_layer_entries(eng)
+            plan = self._plan = _Plan.make(key, mapping, self.hosts, by_layer, collect_is_collective(eng),
+                                           self.cfg.timeout)
+        elif rank in plan.participants or plan.gathers:  # (the gather: collective over the stage's replicas)
+            by_layer, pdv, whole = stage_layer_entries(eng)
+        auto = self.cfg.every == "auto" and self._group is not None
+        if rank not in plan.participants:
+            if auto:  # only to agree on the next interval with the others
+                self._thread = threading.Thread(target=self._run_agree, args=(t0, step_s), daemon=True,
+                                                name="pdv-snapshot")
+                self._thread.start()
             return self.last
-        job["entries"], job["meta"] = _copied(entries), _copied(meta_obj)  # training moves on meanwhile
-        job.update(t_collect=time.perf_counter(), group=self._group)
+        meta = _bytes(meta_of(eng, pdv, whole), "meta") if rank == plan.meta_src else None
+        writes = rank in plan.writers[eng.stage_id]
+        sends = writes or any(s == rank for s, _ in plan.buddies.values())
+        entries = by_layer if sends else {}
+        job = dict(step=step, rank=rank, entries=entries, meta=meta, plan=plan, step_s=step_s, writes=writes,
+                   t0=t0)
+        if self._group is None:
+            self._write(**job, t_collect=time.perf_counter(), background=False)
+            return self.last
+        if entries:  # into the keeper's shared buffer: training moves on meanwhile
+            if self._keeper is None:  # started from this (the main) thread: it dies with the process
+                self._keeper = Keeper()
+            files = {f"layer_{i:02d}.pt": e for i, e in sorted(entries.items())}
+            for name, e in files.items():
+                check_plain(e, name)
+            job["entries"] = self._keeper.stage(files)
+        job.update(t_collect=time.perf_counter(), background=True)
         # a daemon thread: a process that ends (or dies) with a snapshot in flight is not held up by it; the
         # unfinished step is never sealed everywhere, so a resume takes the one before
         self._thread = threading.Thread(target=self._run, kwargs=job, name="pdv-snapshot", daemon=True)
@@ -192,30 +285,53 @@ class Snapshots:
         except BaseException as exc:  # raised in the training thread at the next take / wait
             self._error = exc
 
-    def _write(self, step: int, rank: int, entries: Dict[int, Any], meta: Any, writes: bool,
-               buddies: Dict[int, Tuple[int, int]], expected: Any, t0: float, t_collect: float,
-               group: Any) -> None:
-        """The writing half: bytes, this host's files, the copies for the next host, the seal, then (every rank
-        sealed) the older steps dropped."""
+    def _run_agree(self, t0: float, step_s: float) -> None:
+        try:
+            self.interval = self._agree_interval(time.perf_counter() - t0, step_s, self._group)
+        except BaseException as exc:
+            self._error = exc
+
+    def _write(self, step: int, rank: int, entries: Any, meta: Optional[bytes], plan: "_Plan", writes: bool,
+               t0: float, t_collect: float, background: bool, step_s: float = 0.0) -> None:
+        """The writing half, among the participants: `meta.pt` to every host, bytes, this host's files, the
+        copies for the next host, the seal, then (every participant sealed) the older steps dropped."""
         store = self.store
+        group = plan.group if background else plan.sync_group
+        buddies, expected = plan.buddies, plan.expected
+        box = [meta]
+        dist.broadcast_object_list(box, src=plan.meta_src, group=group)  # meta.pt's bytes, one writer per host
         _fault("serialize", step, rank)
-        files = {f"layer_{i:02d}.pt": _bytes(e, f"layer {i}") for i, e in sorted(entries.items())}
-        t_serialize = time.perf_counter()
         sealed: Dict[str, Dict[str, object]] = {}
-        if writes:
-            for name, data in files.items():
-                sealed[name] = store.write(step, name, data)
-                _fault("write", step, rank)  # one file written, the others not
-        if meta is not None:  # meta on every host
-            sealed["meta.pt"] = store.write(step, "meta.pt", _bytes(meta, "meta"))
+        if isinstance(entries, tuple):  # staged for the keeper, which serializes and writes them
+            reply = self._keeper.write(*entries, root=self.store.root, job=self.store.job, host=self.store.host,
+                                       step=step, write=writes, only_first=_faulty("write", step, rank))
+            sealed.update(reply["sealed"])
+            if sealed:
+                _fault("write", step, rank)  # one file written (the keeper stopped there), the others not
+            t_serialize = t_collect + reply["serialize_s"]
+            files = {name: store.read_raw(step, name) for name in sealed} \
+                if any(src == rank for src, _ in buddies.values()) else {}  # (the receiver hashes what came)
+        else:
+            files = {f"layer_{i:02d}.pt": _bytes(e, f"layer {i}") for i, e in sorted(entries.items())}
+            t_serialize = time.perf_counter()
+            if writes:
+                for name, data in files.items():
+                    sealed[name] = store.write(step, name, data)
+                    _fault("write", step, rank)  # one file written, the others not
+        if rank in plan.meta_writers:  # meta on every host
+            sealed["meta.pt"] = store.write(step, "meta.pt", box[0])
         t_write = time.perf_counter()
         _fault("send", step, rank)
         for s, (src, dst) in sorted(buddies.items()):  # the same order on every rank: no send waits on another
             if rank == src:
+                t_copy = time.perf_counter()
+                rate = self._link_rate * PACE if (self.cfg.every == "auto" and self._link_rate) else None
                 for name in sorted(files):
                     _send(name.encode(), dst, group)
-                    _send(files[name], dst, group)
+                    _send(files[name], dst, group, rate)
                 _send(b"", dst, group)
+                if self._link_rate is None and files:  # the first copy went unpaced: the link's rate
+                    self._link_rate = sum(map(len, files.values())) / max(time.perf_counter() - t_copy, 1e-6)
             elif rank == dst:
                 while True:
                     name = _recv(src, group).decode()
@@ -226,23 +342,37 @@ class Snapshots:
         _fault("seal", step, rank)
         if sealed:
             store.seal(step, rank, sealed, expected)
-        dist.barrier(group=group)  # every rank sealed this step: the older ones can go
+        dist.barrier(group=group)  # every participant sealed this step: the older ones can go
         _fault("prune", step, rank)
-        if self._host_leader(rank):
+        if rank in plan.meta_writers:
             store.prune(self.cfg.keep)
         end = time.perf_counter()
+        if self.cfg.every == "auto" and background:
+            self.interval = self._agree_interval(end - t0, step_s, self._group)
         self.last = {"seconds": end - t0, "bytes": float(sum(int(e["bytes"]) for e in sealed.values())),
                      # where the time went: gathering the stage's state (and the layer list, the meta; a copy
                      # of it in the background mode), turning it into bytes, writing it, sending the copies,
                      # sealing and waiting for the others (in the background mode all but the first off the
                      # step's critical path)
                      "collect_s": t_collect - t0, "serialize_s": t_serialize - t_collect,
-                     "write_s": t_write - t_serialize, "send_s": t_send - t_write, "seal_wait_s": end - t_send}
+                     "write_s": t_write - t_serialize, "send_s": t_send - t_write, "seal_wait_s": end - t_send,
+                     "interval": float(self.interval)}
+
+    def _agree_interval(self, seconds: float, step_s: float, group: Any) -> int:
+        """(every: auto) Steps until the next snapshot, the same on every rank: the slowest rank's snapshot
+        time over the slowest step time, with a quarter to spare, so that the next snapshot finds this one
+        done instead of waiting for it (one all-reduce, on the snapshot's own thread and group)."""
+        t = torch.tensor([seconds, step_s], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return auto_interval(float(t[0]), float(t[1]), self.cfg.max_every)
 
     def discard(self, eng: Any) -> None:
         """Remove this job's snapshots from every host's memory (collective; at the end of training: they are
         for restarts, and a tmpfs holds them in RAM)."""
         self.wait()
+        if self._keeper is not None:
+            self._keeper.close()
+            self._keeper = None
         dist.barrier()
         if self._host_leader(int(eng.global_rank)):
             shutil.rmtree(self.store.base, ignore_errors=True)
@@ -307,4 +437,5 @@ class Snapshots:
         load_layer_checkpoint(eng, store.base, tag_of(step))
         dist.barrier()
         self.resumed = {"step": float(step), "seconds": time.perf_counter() - t0}
+        self.next_due, self.interval, self._last_take = step + 1, 1, None
         return step
