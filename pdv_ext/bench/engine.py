@@ -113,8 +113,10 @@ def _rank(steps: int, warmup: int, layers: int, hidden: int, stages: int, micro_
 
 def snapshot_figures(res: List[Dict[str, Any]], every: int) -> Dict[str, Any]:
     """The snapshots' cost: the median over snapshots of the slowest rank's time (`snapshot_ms`) and of each
-    rank-median part, slowest rank's (`snapshot_parts_ms`: collect, serialize, write, send, seal_wait)."""
-    n = min(len(r["snapshot_s"]) for r in res)
+    rank-median part, slowest rank's (`snapshot_parts_ms`: collect, serialize, write, send, seal_wait), over
+    the ranks that take part in them."""
+    res = [r for r in res if r["snapshot_s"]]  # the ranks that write or copy (the other replicas take no part)
+    n = min((len(r["snapshot_s"]) for r in res), default=0)
     if not n:
         return {"snapshots_every": every, "snapshot_ms": None}
     slowest = [max(res, key=lambda r: r["snapshot_s"][i]["seconds"])["snapshot_s"][i] for i in range(n)]

@@ -70,8 +70,9 @@ def main() -> None:
         folder = args.load or args.root
         engine.load_checkpoint(folder, missing_ok=True)
         t_resume = time.time() - t0
-    elif engine.pdv_snapshots is not None:
+    elif engine.pdv_snapshots is not None:  # the resume ran inside initialize: the start-up ends before it
         t_resume = engine.pdv_snapshots.resumed.get("seconds", 0.0)
+        t_ready -= t_resume
     host = os.environ.get("PDV_HOST", "h")
     # a log per device under `pdv emulate` (ranks follow torchrun's rendezvous there), else per host and rank
     name = os.environ.get("PDV_DEVICE_NAME") if os.environ.get("PDV_EMULATION") else None

@@ -85,6 +85,7 @@ class Keeper:
         self.size = 0
         self.buffer: Any = None
         self._mapped = False  # the keeper has mapped the buffer: its name can go (the memory stays while mapped)
+        self._registered = False  # page-locked for CUDA (unregistered before it is unmapped)
 
     def _ensure(self, size: int) -> None:
         import torch
@@ -98,6 +99,12 @@ class Keeper:
         os.close(fd)
         self.buffer = torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)
         self.size = size
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # page-locked: copies from the GPU queue
+            try:
+                torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), size, 0)
+                self._registered = True
+            except Exception:  # noqa: BLE001 - pageable memory still works, the driver stages the copies
+                pass
 
     def stage(self, obj: Any) -> Tuple[Any, List[Tuple[int, str, Tuple[int, ...]]]]:
         """Copy every tensor of `obj` into the shared buffer (the only work on the step's path); returns the
@@ -110,11 +117,19 @@ class Keeper:
             total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
         self._ensure(total)
         layout = []
+        on_gpu = False
         for t, off in zip(tensors, offsets):
             n = t.numel() * t.element_size()
             if n:
-                self.buffer[off:off + n].view(t.dtype).view(t.shape).copy_(t.detach())
+                # from a GPU: queued copies, one synchronisation below for all of them (not one per tensor);
+                # into pinned memory where the buffer could be registered with CUDA, else staged by the driver
+                on_gpu |= t.is_cuda
+                self.buffer[off:off + n].view(t.dtype).view(t.shape).copy_(t.detach(), non_blocking=t.is_cuda)
             layout.append((off, str(t.dtype).replace("torch.", ""), tuple(t.shape)))
+        if on_gpu:
+            import torch
+
+            torch.cuda.synchronize()
         return flat, layout
 
     def write(self, files: Any, layout: List[Any], **job: Any) -> Dict[str, Any]:
@@ -136,6 +151,14 @@ class Keeper:
         return reply
 
     def close_buffer(self) -> None:
+        if self._registered:
+            import torch
+
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            except Exception:  # noqa: BLE001
+                pass
+            self._registered = False
         if self.path and not self._mapped:
             try:
                 os.unlink(self.path)

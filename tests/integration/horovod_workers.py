@@ -482,9 +482,10 @@ def all_checks(adasum: bool = True) -> Dict[str, Any]:
 
 
 def elastic_train(outdir: str, target: int = 96, kill_rank: int = 1, kill_step: int = 3,
-                  aggregation: str = "adasum") -> Dict[str, Any]:
-    """Elastic training to a fixed number of samples. The rank `kill_rank` writes its pid at step
-    `kill_step` (after a commit) and waits to be killed by the test; the others continue."""
+                  aggregation: str = "adasum", commit_every: int = 1) -> Dict[str, Any]:
+    """Elastic training to a fixed number of samples, a commit every `commit_every` steps. The rank
+    `kill_rank` writes its pid at step `kill_step` and waits to be killed by the test; the others continue
+    (from the last commit)."""
     import horovod.torch as hvd
 
     import pdv_ext.horovod as ph
@@ -499,6 +500,15 @@ def elastic_train(outdir: str, target: int = 96, kill_rank: int = 1, kill_step: 
     hook = ph.PolicyHook(opt, config={"policy": {"plugins": [
         {"name": "schedule", "changes": [{"step": 1, "lr_scale": 0.5}]}]}}, micro_batch_size=4, data=data)
     state = hvd.elastic.TorchState(model=model, optimizer=opt, policy=hook, samples=0, sizes=[])
+    # the aggregator's state after each step, at each commit, and as the reset after the loss left it
+    stepped, committed, restored = [], [], []
+    restored_norm = []  # gossip: its error feedback as the reset left it
+
+    def on_reset():
+        restored.append(_digest(opt.aggregator.state_dict()))
+        restored_norm.append(_norm(getattr(opt.aggregator, "residual", None)))
+
+    state.register_reset_callbacks([on_reset])
 
     @hvd.elastic.run
     def train(state):
@@ -512,7 +522,10 @@ def elastic_train(outdir: str, target: int = 96, kill_rank: int = 1, kill_step: 
             hook.after_step(loss.item())
             state.samples += hook.micro_batch_size * hook.micro_batches * hvd.size()
             state.sizes = state.sizes + [hvd.size()]
-            state.commit()
+            stepped.append(_digest(opt.aggregator.state_dict()))
+            if len(state.sizes) % commit_every == 0:
+                state.commit()
+                committed.append(stepped[-1])
             if hvd.rank() == kill_rank and hvd.size() > 1 and len(state.sizes) == kill_step:
                 with open(os.path.join(outdir, "kill.pid"), "w") as f:
                     f.write(str(os.getpid()))
@@ -522,7 +535,46 @@ def elastic_train(outdir: str, target: int = 96, kill_rank: int = 1, kill_step: 
     return {"rank": hvd.rank(), "size": hvd.size(), "samples": state.samples, "sizes": state.sizes,
             "position": data.position, "hook_step": hook.step, "agg_step": opt.aggregator.step,
             "agg": opt.aggregator.name, "log": hook.runner.action_log, "lr": opt.param_groups[0]["lr"],
-            "monitor_samples": hook.monitor.samples}
+            "monitor_samples": hook.monitor.samples, "committed": committed, "restored": restored, "stepped": stepped,
+            "restored_residual_norm": restored_norm}
+
+
+def _norm(obj: Any) -> float:
+    """The sum of the norms of the tensors under `obj` (a tensor, or dicts / lists of them)."""
+    if isinstance(obj, torch.Tensor):
+        return float(obj.float().norm())
+    if isinstance(obj, dict):
+        return sum(_norm(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_norm(v) for v in obj)
+    return 0.0
+
+
+def _digest(obj: Any) -> str:
+    """sha256 over a state's tensors (dtype, shape, bytes) and plain values, in key order."""
+    import hashlib
+
+    h = hashlib.sha256()
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            t = o.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(o, dict):
+            for k in sorted(o, key=repr):
+                h.update(repr(k).encode())
+                walk(o[k])
+        elif isinstance(o, (list, tuple)):
+            h.update(b"[")
+            for v in o:
+                walk(v)
+            h.update(b"]")
+        else:
+            h.update(repr(o).encode())
+
+    walk(obj)
+    return h.hexdigest()
 
 
 # -- layouts and precisions (issue #21: strided tensors never break the group; fp16 / bf16) -------------

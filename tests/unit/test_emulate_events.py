@@ -396,13 +396,19 @@ def test_events_log_directory_must_exist(cluster_file, monkeypatch, capsys):
 def test_cleanup_removes_mark_folders_of_killed_runs(tmp_path, monkeypatch):
     import tempfile
 
+    from pdv_ext.emulate import elastic
+
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(netns, "stale_namespaces", lambda: [])
     monkeypatch.setattr(cgroup, "stale", lambda prefix="pdv-": [])
+    # the hosts' memory under tmp_path too: the real one may belong to a run going on beside this test (its
+    # owner file is in the real temporary folder, which this test hides)
+    (tmp_path / "shm").mkdir()
+    monkeypatch.setattr(elastic, "memory_root", lambda run: str(tmp_path / "shm" / f"{run}-memory"))
     (tmp_path / "pdv-abc123-mark-x1y2").mkdir()  # what a kill -9 leaves behind with --events-clock mark
     (tmp_path / "pdv-ranks-keep").mkdir()  # not a run's
     assert launcher.cleanup_stale(log=lambda m: None) == 1
-    assert os.listdir(tmp_path) == ["pdv-ranks-keep"]
+    assert sorted(os.listdir(tmp_path)) == ["pdv-ranks-keep", "shm"]
 
 
 
@@ -638,7 +644,11 @@ def test_cleanup_leaves_a_running_emulation_alone(tmp_path, monkeypatch):
     """`pdv emulate --cleanup` (CI runs it in a test) once removed a benchmark's live namespaces and cgroups."""
     import tempfile
 
+    from pdv_ext.emulate import elastic
+
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "shm").mkdir()  # (as above: never a live run's memory)
+    monkeypatch.setattr(elastic, "memory_root", lambda run: str(tmp_path / "shm" / f"{run}-memory"))
     monkeypatch.setattr(netns, "stale_namespaces", lambda: ["pdv-aaaaaa-d0", "pdv-bbbbbb-d0"])
     removed = []
     monkeypatch.setattr(netns, "remove_namespaces", lambda names: removed.extend(names))
@@ -649,7 +659,8 @@ def test_cleanup_leaves_a_running_emulation_alone(tmp_path, monkeypatch):
     (tmp_path / "pdv-bbbbbb-mark-y").mkdir()
     logs = []
     assert launcher.cleanup_stale(log=logs.append) == 2
-    assert removed == ["pdv-bbbbbb-d0"] and sorted(os.listdir(tmp_path)) == ["pdv-aaaaaa-mark-x", "pdv-aaaaaa.owner"]
+    assert removed == ["pdv-bbbbbb-d0"] and sorted(os.listdir(tmp_path)) == ["pdv-aaaaaa-mark-x", "pdv-aaaaaa.owner",
+                                                                             "shm"]
     assert any("left pdv-aaaaaa alone" in m for m in logs)
     launcher._release("pdv-aaaaaa")
     assert launcher.live_runs() == {}

@@ -233,7 +233,7 @@ class PDVPipelineEngine(internals.EngineSeam):
         self._check_release()
         self.pdv_policy = build_glue(self, carried=pdv_glue)  # pdv.policy (a move carries its glue over)
         # pdv.snapshots: the state in host memory every few steps, for a restart on the survivors
-        self.pdv_snapshots = Snapshots(self.pdv_config.snapshots) if self.pdv_config.snapshots else None
+        self.pdv_snapshots = Snapshots(self.pdv_config.snapshots, self) if self.pdv_config.snapshots else None
         self._check_takeover_once()  # the hooks now exist: can `mean` under ZeRO-1 hand them the gradients?
 
     def _check_release(self) -> None:

@@ -85,34 +85,18 @@ def _hosts(store: HostStore) -> List[str]:
     return [str(h) for h in hosts]
 
 
-CHUNK = 1 << 18  # a paced copy for another host goes in pieces of this many bytes
-PACE = 0.25  # every: auto sends those copies at this share of the rate the first copy measured
-
-
-def _send(data: bytes, dst: int, group: Any = None, rate: Optional[float] = None) -> None:
-    """`data` to rank `dst`: one message, or with `rate` (bytes/s) CHUNK-byte pieces no faster than that, so
-    that a copy for another host leaves the link to the step's own messages most of the time."""
-    chunk = CHUNK if rate else max(len(data), 1)
-    dist.send(torch.tensor([len(data), chunk], dtype=torch.int64), dst, group=group)
-    if not data:
-        return
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    t0 = time.perf_counter()
-    for o in range(0, len(data), chunk):
-        dist.send(buf[o:o + chunk], dst, group=group)
-        if rate:
-            ahead = (o + chunk) / rate - (time.perf_counter() - t0)
-            if ahead > 0:
-                time.sleep(ahead)
+def _send(data: bytes, dst: int, group: Any = None) -> None:
+    dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, group=group)
+    if data:
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=group)
 
 
 def _recv(src: int, group: Any = None) -> bytes:
-    head = torch.empty(2, dtype=torch.int64)
-    dist.recv(head, src, group=group)
-    n, chunk = int(head[0]), int(head[1])
-    buf = torch.empty(n, dtype=torch.uint8)
-    for o in range(0, n, chunk):
-        dist.recv(buf[o:o + chunk], src, group=group)
+    n = torch.empty(1, dtype=torch.int64)
+    dist.recv(n, src, group=group)
+    buf = torch.empty(int(n.item()), dtype=torch.uint8)
+    if buf.numel():
+        dist.recv(buf, src, group=group)
     return buf.numpy().tobytes()
 
 
@@ -141,6 +125,11 @@ def auto_interval(snapshot_s: float, step_s: float, max_every: int) -> int:
     return int(min(max_every, max(1, math.ceil(1.25 * snapshot_s / step_s))))
 
 
+def participants_of(writers: Dict[int, List[int]], buddies: Dict[int, Tuple[int, int]], meta_src: int) -> List[int]:
+    """The ranks that take part in a snapshot: every writer, every receiver of a copy, meta.pt's maker."""
+    return sorted({r for ws in writers.values() for r in ws} | {d for _, d in buddies.values()} | {meta_src})
+
+
 class _Plan:
     """Who does what in a snapshot under one plan (the same on every rank): the files a complete step has,
     each stage's writers, the copies for another host, the rank that makes `meta.pt` and one writer per host
@@ -149,18 +138,15 @@ class _Plan:
     in the writing: their stage's files come from a replica on the same host."""
 
     def __init__(self, key: Any, expected: Any, writers: Dict[int, List[int]], buddies: Dict[int, Tuple[int, int]],
-                 meta_src: int, meta_writers: List[int], gathers: bool, timeout: float):
+                 meta_src: int, meta_writers: List[int], gathers: bool, groups: Any):
         self.key, self.expected, self.writers, self.buddies = key, expected, writers, buddies
         self.meta_src, self.meta_writers, self.gathers = meta_src, set(meta_writers), gathers
-        self.participants = sorted({r for ws in writers.values() for r in ws} | {d for _, d in buddies.values()}
-                                   | {meta_src})
-        # collective over the default group: every rank makes the plan at the same snapshot
-        self.group = dist.new_group(self.participants, backend="gloo", timeout=timedelta(seconds=timeout))
-        self.sync_group = dist.new_group(self.participants)
+        self.participants = participants_of(writers, buddies, meta_src)
+        self.group, self.sync_group = groups(self.participants)
 
     @classmethod
     def make(cls, key: Any, mapping: List[List[int]], hosts: List[str], by_layer: Dict[int, Any],
-             collective: bool, timeout: float) -> "_Plan":
+             collective: bool, groups: Any) -> "_Plan":
         """(collective) `collective`: gathering this stage's entries is a collective of its replicas (every
         replica calls it at every snapshot); so is any gather of the replicas' own parts, seen in `by_layer`."""
         layers: List[Any] = [None] * dist.get_world_size()
@@ -172,14 +158,14 @@ class _Plan:
         every_writer = sorted({r for ws in writers.values() for r in ws})
         meta_writers = [min(r for r in every_writer if hosts[r] == h) for h in sorted({hosts[r] for r in every_writer})]
         return cls(key, expected, writers, buddies, mapping[0][0], meta_writers,
-                   collective or any(g for _, g in layers), timeout)
+                   collective or any(g for _, g in layers), groups)
 
 
 class Snapshots:
     """A job's snapshots as this rank sees them (`engine.pdv_snapshots`): `take(engine)` after a step,
     `resume(engine)` at start-up. Holds no engine (a move swaps the engine's state for a new one's)."""
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, engine: Any = None):
         self.cfg = cfg
         self.store = HostStore(cfg.root_dir(), cfg.job_name())
         self.hosts = _hosts(self.store)  # collective: every rank builds its engine at once
@@ -191,12 +177,30 @@ class Snapshots:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self.resumed: Dict[str, float] = {}  # the last resume: its step and seconds
-        self._plan: Optional[Tuple[Any, ...]] = None  # (plan key, expected files, writers, buddies)
-        self._keeper: Optional[Keeper] = None  # the process that writes this rank's files (background mode)
+        self._plan: Optional[_Plan] = None  # who does what under the current plan (made at its first snapshot)
+        # the process that writes this rank's files (background mode): started now, so that its imports overlap
+        # the engine's start-up instead of holding up the first snapshot; closed on a rank that does not write
+        self._keeper: Optional[Keeper] = Keeper() if cfg.background else None
         # every: auto: the next snapshot's step, and the interval every rank agreed on at the end of the last one
         self.next_due, self.interval = 1, 1
-        self._link_rate: Optional[float] = None  # bytes/s of the first copy to another host (every: auto paces)
         self._last_take: Optional[Tuple[int, float]] = None
+        # the participants' process groups, by participants: made now for the engine's plan (collective, at
+        # start-up, not at the first snapshot of a running job), later for a plan a move brings
+        self._part_groups: Dict[Tuple[int, ...], Tuple[Any, Any]] = {}
+        if engine is not None:
+            mapping = current_mapping(engine.module)
+            writers, buddies = plan_writers(mapping, self.hosts)
+            self._groups_for(participants_of(writers, buddies, mapping[0][0]))
+
+    def _groups_for(self, participants: List[int]) -> Tuple[Any, Any]:
+        """(gloo group with the snapshot timeout, default-backend group) of `participants` (collective the
+        first time: every rank asks for the same participants at the same point)."""
+        key = tuple(participants)
+        if key not in self._part_groups:
+            self._part_groups[key] = (dist.new_group(participants, backend="gloo",
+                                                timeout=timedelta(seconds=self.cfg.timeout)),
+                                 dist.new_group(participants))
+        return self._part_groups[key]
 
     def due(self, engine: Any) -> bool:
         if self.cfg.every == "auto":
@@ -204,10 +208,10 @@ class Snapshots:
         return engine.global_steps > 0 and engine.global_steps % self.cfg.every == 0
 
     def _step_seconds(self, step: int, now: float) -> float:
-        """Seconds a training step took since the last snapshot (this rank's clock; 'auto' agrees on the
-        largest)."""
+        """Seconds a training step took since the last snapshot was handed to its thread, before any wait
+        for it (this rank's clock; 'auto' agrees on the largest). A wait counted in would make the interval
+        that caused it look long enough."""
         prev = self._last_take
-        self._last_take = (step, now)
         if prev is None or step <= prev[0]:
             return 0.0
         return (now - prev[1]) / (step - prev[0])
@@ -234,11 +238,11 @@ class Snapshots:
         that write or send them (`_Plan.participants`), and `meta.pt`'s bytes on the rank that makes them.
         Which files a complete step has, who writes them and who takes part is worked out once per plan (one
         all-gather); the other ranks (the replicas whose files another replica writes) do nothing more."""
+        step, rank = int(eng.global_steps), int(eng.global_rank)
+        step_s = self._step_seconds(step, time.perf_counter())  # training alone: before this wait
         self.wait()
         t0 = time.perf_counter()
-        step, rank = int(eng.global_steps), int(eng.global_rank)
         self.next_due = step + self.interval  # (every: auto) the interval the last snapshot's end agreed on
-        step_s = self._step_seconds(step, t0)
         mapping = current_mapping(eng.module)
         key = (tuple(tuple(r) for r in mapping), tuple(int(p) for p in eng.module.parts),
                type(eng.aggregator).__name__)
@@ -246,15 +250,19 @@ class Snapshots:
         if plan is None or plan.key != key:
             by_layer, pdv, whole = stage_layer_entries(eng)
             plan = self._plan = _Plan.make(key, mapping, self.hosts, by_layer, collect_is_collective(eng),
-                                           self.cfg.timeout)
+                                           self._groups_for)
         elif rank in plan.participants or plan.gathers:  # (the gather: collective over the stage's replicas)
             by_layer, pdv, whole = stage_layer_entries(eng)
         auto = self.cfg.every == "auto" and self._group is not None
+        if rank not in plan.participants and self._keeper is not None:  # (started again if a plan needs it)
+            self._keeper.close()
+            self._keeper = None
         if rank not in plan.participants:
             if auto:  # only to agree on the next interval with the others
                 self._thread = threading.Thread(target=self._run_agree, args=(t0, step_s), daemon=True,
                                                 name="pdv-snapshot")
                 self._thread.start()
+            self._last_take = (step, time.perf_counter())
             return self.last
         meta = _bytes(meta_of(eng, pdv, whole), "meta") if rank == plan.meta_src else None
         writes = rank in plan.writers[eng.stage_id]
@@ -277,6 +285,7 @@ class Snapshots:
         # unfinished step is never sealed everywhere, so a resume takes the one before
         self._thread = threading.Thread(target=self._run, kwargs=job, name="pdv-snapshot", daemon=True)
         self._thread.start()
+        self._last_take = (step, time.perf_counter())
         return self.last
 
     def _run(self, **job: Any) -> None:
@@ -324,14 +333,10 @@ class Snapshots:
         _fault("send", step, rank)
         for s, (src, dst) in sorted(buddies.items()):  # the same order on every rank: no send waits on another
             if rank == src:
-                t_copy = time.perf_counter()
-                rate = self._link_rate * PACE if (self.cfg.every == "auto" and self._link_rate) else None
                 for name in sorted(files):
                     _send(name.encode(), dst, group)
-                    _send(files[name], dst, group, rate)
+                    _send(files[name], dst, group)
                 _send(b"", dst, group)
-                if self._link_rate is None and files:  # the first copy went unpaced: the link's rate
-                    self._link_rate = sum(map(len, files.values())) / max(time.perf_counter() - t_copy, 1e-6)
             elif rank == dst:
                 while True:
                     name = _recv(src, group).decode()
