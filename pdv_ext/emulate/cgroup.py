@@ -142,13 +142,15 @@ class CpuGroups:
         real host does on the cores its GPUs leave (pdv's snapshot keepers) runs there, on the CPU the
         devices leave idle, at the default weight (below the devices': they come first when the CPU is
         short)."""
-        path = os.path.join(self.parent, f"host-{host}")
-        os.makedirs(path, exist_ok=True)
-        return os.path.join(path, "cgroup.procs")
+        os.makedirs(self._host_path(host), exist_ok=True)
+        return os.path.join(self._host_path(host), "cgroup.procs")
+
+    def _host_path(self, host: str) -> str:
+        return os.path.join(self.parent, f"host-{host}")
 
     def kill_host(self, host: str, timeout: float = 10.0) -> None:
         """Host `host` is lost: whatever runs in its own group dies with it."""
-        path = os.path.join(self.parent, f"host-{host}")
+        path = self._host_path(host)
         if os.path.isdir(path):
             kill_all(path, time.monotonic() + timeout)
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from typing import Dict, List, Sequence
 
+from ..recovery.config import host_memory_dir
 from .spec import SUBNET
 
 #: the rendezvous store's host, outside every emulated host (10.251.255.254: above every device address of
@@ -35,8 +35,7 @@ MEMORY_ENV = "PDV_HOST_MEMORY"
 
 def memory_root(run_name: str) -> str:
     """Where the run's hosts keep their memory: a folder per host under it (/dev/shm where there is one)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, f"{run_name}-memory")
+    return os.path.join(host_memory_dir(), f"{run_name}-memory")
 
 
 def agent_command(command: Sequence[str], min_nodes: int, devices: int, local_addr: str, run_id: str,

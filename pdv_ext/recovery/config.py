@@ -10,10 +10,13 @@ from pydantic import Field
 from ..config_base import StrictModel
 
 
-def default_root() -> str:
+def host_memory_dir() -> str:
     """Host memory where there is some (/dev/shm: a tmpfs on Linux), else the temporary directory."""
-    return "/dev/shm/pdv-snapshots" if os.path.isdir("/dev/shm") else os.path.join(tempfile.gettempdir(),
-                                                                                     "pdv-snapshots")
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def default_root() -> str:
+    return os.path.join(host_memory_dir(), "pdv-snapshots")
 
 
 class SnapshotsConfig(StrictModel):

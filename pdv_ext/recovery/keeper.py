@@ -69,10 +69,6 @@ def rebuild(obj: Any, tensors: List[Any]) -> Any:
     return obj
 
 
-def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
 class Keeper:
     """The worker's handle on its keeper process (started at once: the first snapshot does not wait for its
     imports)."""
@@ -94,7 +90,9 @@ class Keeper:
             return
         self.close_buffer()
         size = max(size, 1 << 20) * 5 // 4  # room for some growth before the next remap
-        fd, self.path = tempfile.mkstemp(prefix=f"pdv-keeper-{os.getpid()}-", dir=_shm_dir())
+        from .config import host_memory_dir
+
+        fd, self.path = tempfile.mkstemp(prefix=f"pdv-keeper-{os.getpid()}-", dir=host_memory_dir())
         os.ftruncate(fd, size)
         os.close(fd)
         self.buffer = torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)

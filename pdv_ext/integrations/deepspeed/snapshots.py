@@ -134,15 +134,15 @@ class _Plan:
     """Who does what in a snapshot under one plan (the same on every rank): the files a complete step has,
     each stage's writers, the copies for another host, the rank that makes `meta.pt` and one writer per host
     that stores it; the participants (every rank that writes, sends or receives) and their own process
-    groups (one for the background thread, one for a snapshot inside the step). The other ranks take no part
-    in the writing: their stage's files come from a replica on the same host."""
+    group (gloo for the background thread; the default backend for a snapshot inside the step). The other
+    ranks take no part in the writing: their stage's files come from a replica on the same host."""
 
     def __init__(self, key: Any, expected: Any, writers: Dict[int, List[int]], buddies: Dict[int, Tuple[int, int]],
                  meta_src: int, meta_writers: List[int], gathers: bool, groups: Any):
         self.key, self.expected, self.writers, self.buddies = key, expected, writers, buddies
         self.meta_src, self.meta_writers, self.gathers = meta_src, set(meta_writers), gathers
         self.participants = participants_of(writers, buddies, meta_src)
-        self.group, self.sync_group = groups(self.participants)
+        self.group = groups(self.participants)
 
     @classmethod
     def make(cls, key: Any, mapping: List[List[int]], hosts: List[str], by_layer: Dict[int, Any],
@@ -186,20 +186,21 @@ class Snapshots:
         self._last_take: Optional[Tuple[int, float]] = None
         # the participants' process groups, by participants: made now for the engine's plan (collective, at
         # start-up, not at the first snapshot of a running job), later for a plan a move brings
-        self._part_groups: Dict[Tuple[int, ...], Tuple[Any, Any]] = {}
+        self._part_groups: Dict[Tuple[int, ...], Any] = {}
         if engine is not None:
             mapping = current_mapping(engine.module)
             writers, buddies = plan_writers(mapping, self.hosts)
             self._groups_for(participants_of(writers, buddies, mapping[0][0]))
 
-    def _groups_for(self, participants: List[int]) -> Tuple[Any, Any]:
-        """(gloo group with the snapshot timeout, default-backend group) of `participants` (collective the
-        first time: every rank asks for the same participants at the same point)."""
+    def _groups_for(self, participants: List[int]) -> Any:
+        """The process group of `participants` for this mode: gloo with the snapshot timeout for the
+        background thread, the default backend inside the step (collective the first time: every rank asks
+        for the same participants at the same point)."""
         key = tuple(participants)
         if key not in self._part_groups:
             self._part_groups[key] = (dist.new_group(participants, backend="gloo",
-                                                timeout=timedelta(seconds=self.cfg.timeout)),
-                                 dist.new_group(participants))
+                                                     timeout=timedelta(seconds=self.cfg.timeout))
+                                      if self.cfg.background else dist.new_group(participants))
         return self._part_groups[key]
 
     def due(self, engine: Any) -> bool:
@@ -305,7 +306,7 @@ class Snapshots:
         """The writing half, among the participants: `meta.pt` to every host, bytes, this host's files, the
         copies for the next host, the seal, then (every participant sealed) the older steps dropped."""
         store = self.store
-        group = plan.group if background else plan.sync_group
+        group = plan.group
         buddies, expected = plan.buddies, plan.expected
         box = [meta]
         dist.broadcast_object_list(box, src=plan.meta_src, group=group)  # meta.pt's bytes, one writer per host
