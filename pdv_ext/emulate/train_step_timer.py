@@ -141,6 +141,49 @@ def _message_cpu(sizes, ref: int, partner: int, round_trips: int) -> Dict[float,
     return out
 
 
+def _reduce_cpu(nbytes: float, ref: int, partner: int, reps: int = 5, warmup: int = 2) -> Dict[int, float]:
+    """CPU seconds the reference device spends in one all-reduce of `nbytes` (float32) over every rank and over
+    the pair (`ref`, `partner`): {ranks: seconds}. Gloo's copies and sums are a CPU device's own work, which
+    its quota can make the bound where the link is not; two group sizes tell the work per byte sent from the
+    work per gradient byte. Timed as CPU, as `_message_cpu` is, for the same reason. Collective; {} off
+    `ref`."""
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    pair = dist.new_group(sorted({ref, partner}))
+    buf = torch.ones(max(1, int(nbytes) // 4))
+    out: Dict[int, float] = {}
+    for ranks, group in ((world, None), (2, pair)):
+        if group is not None and (world == 2 or rank not in (ref, partner)):
+            continue
+        c0 = 0.0
+        for i in range(warmup + reps):
+            if i == warmup:
+                c0 = time.process_time()
+            dist.all_reduce(buf, group=group)
+        out[ranks] = (time.process_time() - c0) / reps
+    dist.barrier()
+    return out if rank == ref else {}
+
+
+def reduce_work(nbytes: float, cpu: Dict[int, float]) -> Dict[str, float]:
+    """The reduction's work per gradient byte and per byte sent from CPU seconds at two group sizes:
+    cpu(w) = nbytes * (grad + sent * reduce_traffic(w)), solved for (grad, sent), neither below 0."""
+    from ..placement.cost import reduce_traffic
+
+    if len(cpu) < 2:
+        (w, c), = cpu.items()
+        return {"reduce_byte": c / (reduce_traffic("ring", w) * nbytes)}
+    (w1, c1), (w2, c2) = sorted(cpu.items())
+    t1, t2 = reduce_traffic("ring", w1), reduce_traffic("ring", w2)
+    sent = max(0.0, (c2 - c1) / ((t2 - t1) * nbytes))
+    grad = max(0.0, c1 / nbytes - sent * t1)
+    if grad == 0.0:
+        sent = c2 / (t2 * nbytes)
+    return {"reduce_byte": sent, "reduce_grad_byte": grad}
+
+
 def _measure_devices(a, ids, labels):
     """`_time_workload` (and with `--message-cpu`, `_message_cpu` for the sizes the model's stages send, with a
     device of the reference's host) in a gloo group of its own (profile mode): (wall, cpu, messages)."""
@@ -162,6 +205,8 @@ def _measure_devices(a, ids, labels):
             same = [d for d in range(len(cluster)) if d != ref and cluster.host_of(d) == cluster.host_of(ref)]
             partner = same[0] if same else (ref + 1) % len(cluster)
             messages = _message_cpu(_activation_bytes(mods, ids), ref, partner, a.message_round_trips)
+            grad_bytes = float(sum(p.numel() * p.element_size() for m in mods for p in m.parameters()))
+            messages["reduce"] = (grad_bytes, _reduce_cpu(grad_bytes, ref, partner))
         return wall, cpu, messages
     finally:
         shutdown_distributed()
@@ -204,6 +249,10 @@ def profile(a) -> int:
         prof.meta["workload_cpu_seconds"] = [statistics.median(c) for c in cpu]
         if messages:  # CPU per send + recv, in this device's wall seconds at its sustained CPU rate
             rate = prof.meta["workload_cpu_seconds"][rank] / prof.meta["workload_seconds"][rank]
+            nbytes, reduce_cpu = messages.pop("reduce")
+            if prof.engine is not None and reduce_cpu:  # the reduction's work per byte, at the same rate
+                prof.engine.update({k: v / rate for k, v in reduce_work(nbytes, reduce_cpu).items()})
+            prof.meta["reduce_cpu_seconds"] = {"bytes": nbytes, **{str(w): c for w, c in reduce_cpu.items()}}
             prof.meta["message_cpu_seconds"] = {str(int(n)): c for n, c in messages.items()}
             for l in prof.layers:
                 if float(l.act_bytes) in messages:

@@ -221,12 +221,15 @@ class Cluster:
 
     def with_throughputs(self, throughputs: Sequence[float], source: str = "cluster") -> "Cluster":
         """The same cluster with every device's throughput replaced (in rank order): what a cluster looks like
-        after a device slowed down or recovered. Events and the hosts shorthand are not carried."""
+        after a device slowed down or recovered. Events and the hosts shorthand are not carried. Speeds stay
+        relative to this cluster's reference (the profile's device did not change because one slowed down:
+        without it, a cluster whose fastest device slowed had every speed re-scaled to the new fastest)."""
         d = self.to_dict()
         d.pop("hosts", None)
         d.pop("events", None)
         d["devices"] = [{**dev.model_dump(exclude_none=True), "throughput": float(t)}
                         for dev, t in zip(self.devices, throughputs)]
+        d["reference_throughput"] = self.reference
         return Cluster.from_dict(d, source=source)
 
     def subset(self, indices: Sequence[int], source: str = "cluster") -> "Cluster":

@@ -179,16 +179,27 @@ def reduce_coeffs(cluster: Cluster, group: Sequence[int], pattern: str, crossing
         lats.append(ln.latency)
         bws.append(ln.bandwidth / share)
     lat, bw = max(lats), min(bws)
-    if pattern == "ring":
-        return 2 * (w - 1) * lat, 2 * (w - 1) / w / bw
+    traffic = reduce_traffic(pattern, w, gossip_peers, gossip_ratio)
+    if pattern in ("ring", "sliced"):  # sliced: all-to-all of 1/w slices + all-gather: a ring all-reduce's bytes
+        return 2 * (w - 1) * lat, traffic / bw
     if pattern == "halving_doubling":
-        return 2 * math.ceil(math.log2(w)) * lat, 2 * (w - 1) / w / bw
+        return 2 * math.ceil(math.log2(w)) * lat, traffic / bw
     if pattern == "gossip":
-        return gossip_peers * lat, gossip_peers * gossip_ratio / bw
-    if pattern == "sliced":  # all-to-all of 1/w slices + all-gather of the results: a ring all-reduce's bytes
-        return 2 * (w - 1) * lat, 2 * (w - 1) / w / bw
-    if pattern == "sliced_validation":  # the same plus an all-to-all of the validation gradients (zeno)
-        return 3 * (w - 1) * lat, 3 * (w - 1) / w / bw
+        return gossip_peers * lat, traffic / bw
+    return 3 * (w - 1) * lat, traffic / bw  # sliced_validation (reduce_traffic checked the name)
+
+
+def reduce_traffic(pattern: str, w: int, gossip_peers: int = 1, gossip_ratio: float = 0.01) -> float:
+    """Bytes each member sends (and receives) per gradient byte in a reduction over `w` members: what both
+    the link and the member's own CPU (a gloo reduction's copies and sums) work through."""
+    if w <= 1:
+        return 0.0
+    if pattern in ("ring", "halving_doubling", "sliced"):
+        return 2 * (w - 1) / w
+    if pattern == "gossip":
+        return gossip_peers * gossip_ratio
+    if pattern == "sliced_validation":  # the sliced exchange plus an all-to-all of the validation gradients (zeno)
+        return 3 * (w - 1) / w
     raise ValueError(f"unknown reduction pattern '{pattern}'")
 
 
@@ -223,10 +234,16 @@ def stage_params(cluster: Cluster, groups: Sequence[Sequence[int]], micro_batche
             for h in hs:
                 crossing[h] = crossing.get(h, 0) + 1
     ra, rb = np.zeros(s_count), np.zeros(s_count)
+    # the reduction's own work per byte sent on the profiling device (gloo's copies and sums on a CPU, where a
+    # device's CPU, not the link, can bound it); 0 where not measured
+    per_byte = float((engine or {}).get("reduce_byte", 0.0))
+    per_grad = float((engine or {}).get("reduce_grad_byte", 0.0))
     for s, g in enumerate(groups):
         hs = {cluster.host_of(d) for d in g}
         share = max((crossing.get(h, 1) for h in hs), default=1) if len(hs) > 1 else 1
         ra[s], rb[s] = reduce_coeffs(cluster, g, pattern, share)
+        if len(g) > 1:
+            rb[s] += (per_grad + per_byte * reduce_traffic(pattern, len(g))) / speed[s]
     cap = np.array([min(cluster.memory(d) for d in g) for g in groups], dtype=float)
     if schedule == "gpipe":
         infl = np.full(s_count, float(micro_batches))

@@ -54,11 +54,23 @@ LayerSpec = create_model("LayerSpec", __base__=StrictModel, **{
 
 
 class EngineSpec(BaseModel):
-    """`Profile.engine`: the two numbers the cost model reads; the fit's details (slope, times...) pass through."""
+    """`Profile.engine`: the numbers the cost model reads (DeepSpeed's work per micro-batch and per step; a
+    reduction's CPU work per byte sent and per gradient byte, where measured); the fit's details pass through."""
 
     model_config = ConfigDict(extra="allow")
     micro_batch: _NonNegative = 0.0
     step: _NonNegative = 0.0
+    reduce_byte: _NonNegative = 0.0
+    reduce_grad_byte: _NonNegative = 0.0
+
+
+def _engine_dict(spec: EngineSpec) -> Dict[str, Any]:
+    """The engine numbers as read (a profile written before `reduce_byte` existed loads back unchanged)."""
+    d = spec.model_dump()
+    for key in ("reduce_byte", "reduce_grad_byte"):
+        if key not in spec.model_fields_set:
+            d.pop(key)
+    return d
 
 
 class ProfileSpec(StrictModel):
@@ -78,7 +90,9 @@ class Profile:
     device_throughput: Optional[float] = None  # measured matmul FLOP/s of the profiling device
     meta: Dict[str, Any] = field(default_factory=dict)
     # DeepSpeed's own work on the profiling device (see `engine_overhead`): {"micro_batch": seconds per
-    # micro-batch and stage, "step": seconds per step outside the micro-batches}; None = not measured
+    # micro-batch and stage, "step": seconds per step outside the micro-batches, and where measured
+    # (`train_step_timer profile --message-cpu`) "reduce_byte" / "reduce_grad_byte": a gradient reduction's
+    # own work per byte a member sends / per gradient byte}; None = not measured
     engine: Optional[Dict[str, Any]] = None
 
     def __len__(self) -> int:
@@ -98,7 +112,10 @@ class Profile:
             device_throughput=None if self.device_throughput is None else self.device_throughput * speed,
             meta=dict(self.meta),
             engine=None if self.engine is None else {**self.engine, "micro_batch": self.engine_micro_batch / speed,
-                                                     "step": self.engine_step / speed})
+                                                     "step": self.engine_step / speed,
+                                                     **{k: float(self.engine[k]) / speed
+                                                        for k in ("reduce_byte", "reduce_grad_byte")
+                                                        if k in self.engine}})
 
     def calibrated(self, total_fwd_bwd: float) -> "Profile":
         """The profile with every layer's forward + backward scaled so that they sum to `total_fwd_bwd`: the
@@ -139,6 +156,9 @@ class Profile:
         if all(p.engine is not None for p in profiles):
             engine = {**first.engine, "micro_batch": statistics.median(p.engine_micro_batch for p in profiles),
                       "step": statistics.median(p.engine_step for p in profiles)}
+            for key in ("reduce_byte", "reduce_grad_byte"):
+                if any(key in p.engine for p in profiles):
+                    engine[key] = statistics.median(float(p.engine.get(key, 0.0)) for p in profiles)
         meta = {**first.meta, "profiles_combined": len(profiles)}
         if all("fwd_bwd_scale" in p.meta for p in profiles):
             meta["fwd_bwd_scale"] = statistics.median(p.meta["fwd_bwd_scale"] for p in profiles)
@@ -181,7 +201,7 @@ class Profile:
         except ValidationError as exc:
             raise ConfigError(format_errors(exc, ProfileSpec, source)) from exc
         return cls([LayerProfile(**l.model_dump()) for l in spec.layers], spec.micro_batch, spec.device,
-                   spec.device_throughput, spec.meta, None if spec.engine is None else spec.engine.model_dump())
+                   spec.device_throughput, spec.meta, None if spec.engine is None else _engine_dict(spec.engine))
 
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -542,6 +562,30 @@ def whole_pass_seconds(built: Sequence[Any], x: Any, loss: Optional[Callable] = 
     return float(statistics.median(samples))
 
 
+def whole_update_seconds(updates: Sequence["_Update"], reps: int = 5, warmup: int = 1,
+                         synchronize: Callable[[], None] = lambda: None) -> float:
+    """Median seconds of every layer's update run back to back (gradients given untimed): the engine's one
+    optimizer step after the last backward. Timed layer by layer, each update is a short burst; under a CPU
+    quota a burst after a pause runs on unspent quota, so the layers' sum was a third of the step's
+    measured OptimizerStep on the emulated cluster (9.4 vs 29 ms at 0.275 cores); a pass over all of them
+    is throttled as the step's is. 0 when no layer has parameters."""
+    live = [u for u in updates if u.opt is not None]
+    if not live:
+        return 0.0
+    samples = []
+    for r in range(warmup + reps):
+        for u in live:
+            u.load()
+        synchronize()
+        t0 = time.perf_counter()
+        for u in live:
+            u.step()
+        synchronize()
+        if r >= warmup:
+            samples.append(time.perf_counter() - t0)
+    return float(statistics.median(samples))
+
+
 def profile_layers(layers: Sequence[Any], sample_input: Any, reps: int = 5, warmup: int = 1,
                    device: Optional[str] = None, progress: bool = False, loss_fn: Optional[Callable] = None,
                    labels: Any = None, optimizer: Optional[Callable] = None, timing: str = "auto",
@@ -678,6 +722,7 @@ def _profile(layers, sample_input, reps, warmup, dev, progress, loss_fn, labels,
                     saved[i], act[i] = float(saved_i), _nbytes(y)
         if calibrate:
             whole = whole_pass_seconds(built, first_input, last_loss, reps, warmup, event, sync)
+        whole_update = whole_update_seconds(updates, reps, warmup, sync)
     finally:
         for u in updates:
             u.restore()
@@ -690,6 +735,9 @@ def _profile(layers, sample_input, reps, warmup, dev, progress, loss_fn, labels,
                 by_sig.setdefault(sig, []).append(i)
         groups = [g for g in by_sig.values() if len(g) > 1]
     t_med, f_med, u_med = _tie(times, groups), _tie(fwds, groups), _tie(upd, groups)
+    update_sum = float(sum(u_med))
+    if update_sum > 0 and whole_update > 0:  # the layers keep their shares of the step's one update
+        u_med = [u * whole_update / update_sum for u in u_med]
     out = [LayerProfile(type(mod).__name__ if not hasattr(spec, "typename") else spec.typename.__name__,
                         t_med[i], float(sum(p.numel() * p.element_size() for p in params[i])),
                         act[i], saved[i], u_med[i], fwd=f_med[i])
@@ -705,6 +753,8 @@ def _profile(layers, sample_input, reps, warmup, dev, progress, loss_fn, labels,
     if groups:
         prof.meta["identical_layers"] = groups
     prof.meta["param_tensors"] = [len(u.params) for u in updates]  # what the engine's per-tensor work scales with
+    if update_sum > 0 and whole_update > 0:
+        prof.meta.update({"whole_update_seconds": whole_update, "update_scale": whole_update / update_sum})
     if whole is not None:
         layer_sum = sum(l.fwd_bwd for l in out)
         prof = prof.calibrated(whole)
