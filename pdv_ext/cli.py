@@ -24,7 +24,7 @@ COMMANDS = {
 }
 
 BENCHES = ["engine", "aggregate", "kernels", "byzantine", "convergence", "planner", "adaptive", "adapt", "faults", "placement",
-           "init-search", "profile", "move"]
+           "grid", "init-search", "profile", "move"]
 
 
 def _usage() -> str:

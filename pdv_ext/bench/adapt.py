@@ -82,6 +82,9 @@ class RunShape(StrictModel):
     timeout: float = Field(1800.0, gt=0)
     #: rounds of the runs, alternating static / adaptive / oracle; each kind's median run is reported
     repeats: int = Field(1, ge=1)
+    #: cores all emulated devices share (default: `pdv emulate`'s, 0.55 x the machine's): half of it is the
+    #: same cluster on a machine half as fast
+    cpu_budget: Optional[float] = Field(None, gt=0)
 
 
 class Scenario(StrictModel):
@@ -374,7 +377,7 @@ def _run(kind: str, sc, spec, events, workdir: str, shares: Optional[List[int]],
         f"{', policies ' + json.dumps(policy) if policy else ''}"
         f"{', plan ' + placement['plan'] if placement and placement.get('plan') else ''})")
     emu = Emulation(spec, cmd, timeout=sc.run.timeout, out=sys.stderr.buffer, events=events, events_log=events_log,
-                    events_clock="mark", total_steps=sc.run.steps)
+                    events_clock="mark", total_steps=sc.run.steps, cpu_budget=sc.run.cpu_budget)
     with StealSampler() as steal:  # what the hypervisor took while it ran: a drift of the emulated speeds
         code = emu.run()
     with open(host, "w", encoding="utf-8") as f:
@@ -408,6 +411,13 @@ def pipeline_placement(sc, cluster, workroot: str, keep_profile: bool = False) -
     return {"cluster": cpath, "profile": ppath, "solver": "dp", "num_stages": run.pipe,
             "micro_batches": run.micro_batches, "input_shape": [run.micro_batch, m.seq_len],
             "input_dtype": "int64", "input_high": 256}
+
+
+def _budget(cores: Optional[float]) -> float:
+    """The cores the emulated devices shared: the scenario's, or `pdv emulate`'s default on this machine."""
+    from ..emulate.launcher import DEFAULT_BUDGET
+
+    return round(cores if cores is not None else DEFAULT_BUDGET * (os.cpu_count() or 1), 3)
 
 
 def yaml_dump(data: Any, f: Any) -> None:
@@ -517,9 +527,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--reuse-runs", action="store_true",
                     help="run nothing: compute the figures again from the runs the last job of this scenario saved "
                          "in build/bench-adapt/<scenario>/ (e.g. after a change to the report)")
+    ap.add_argument("--cpu-budget", type=float, default=None,
+                    help="override run.cpu_budget: cores all emulated devices share (default 0.55 x the machine's; "
+                         "half of it is the same cluster on a machine half as fast)")
     a = ap.parse_args(argv)
     if a.steps is not None and a.steps < 1:
         ap.error(f"--steps must be >= 1 (got {a.steps})")
+    if a.cpu_budget is not None and not a.cpu_budget > 0:
+        ap.error(f"--cpu-budget must be > 0 cores (got {a.cpu_budget:g})")
     if a.repeats is not None and a.repeats < 1:
         ap.error(f"--repeats must be >= 1 (got {a.repeats})")
     kinds = ["static", "adaptive", "oracle"]
@@ -533,6 +548,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         for line in getattr(exc, "errors", [str(exc)]):
             print(f"pdv bench adapt: {line}", file=sys.stderr)
         return 2
+    if a.cpu_budget is not None:
+        sc.run.cpu_budget = a.cpu_budget
     if a.steps is not None:
         sc.run.steps = a.steps
         events = resolve_steps(events, sc.run.steps)  # at_fraction: a share of the steps run
@@ -586,7 +603,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     summary: Dict[str, Any] = {"scenario": name, "events": [e.model_dump() for e in events],
                                "global_batch": sc.run.micro_batch * sc.run.micro_batches * sc.run.data,
                                "steps": sc.run.steps, "oracle_shares": oracle, "oracle_is_static": oracle_is_static,
-                               "policy": policy}
+                               "policy": policy, "cpu_budget": _budget(sc.run.cpu_budget)}
     if oracle_plan is not None:
         summary["oracle_plan"] = {k: oracle_plan[k] for k in ("boundaries", "rank_mapping", "predicted_step_time")}
         summary["start_plan"] = oracle_plan["start"]

@@ -75,6 +75,8 @@ def _args(argv):
     ap.add_argument("--matmul-speeds", action="store_true", help="the same as --speeds matmul")
     ap.add_argument("--reprofile", action="store_true",
                     help="profile again before every repeat and predict from all profiles (default: the plan's profile)")
+    ap.add_argument("--cpu-budget", type=float, default=None,
+                    help="cores all emulated devices share (default: pdv emulate's, 0.55 x the machine's)")
     ap.add_argument("--uncalibrated", action="store_true",
                     help="keep the per-layer times as profiled, not scaled to the whole model's timed pass")
     a = ap.parse_args(argv)
@@ -83,14 +85,14 @@ def _args(argv):
     if a.matmul_speeds:
         a.speeds = "matmul"
     check_ranges(ap, a, {"--repeats": 1, "--steps": 1, "--warmup": 0, "--default-stages": 1, "--layers": 1,
-                         "--hidden": 1, "--micro-batch": 1, "--micro-batches": 1}, ["--timeout"])
+                         "--hidden": 1, "--micro-batch": 1, "--micro-batches": 1}, ["--timeout", "--cpu-budget"])
     if a.hidden % 4:  # the demo GPT of train_step_timer has 4 attention heads
         ap.error(f"--hidden ({a.hidden}) must be a multiple of 4 (the demo GPT's attention heads)")
     return a
 
 
 def _emulate(spec, cmd: List[str], timeout: float, label: str, steal: Dict[str, Optional[float]],
-             attempts: int = 2) -> bool:
+             attempts: int = 2, cpu_budget: Optional[float] = None) -> bool:
     """Run `cmd` on the emulated cluster; True when link latencies were emulated (sch_netem present).
     Records the hypervisor's steal share during the run as `steal[label]` (quotas are not delivered under
     steal).
@@ -101,7 +103,7 @@ def _emulate(spec, cmd: List[str], timeout: float, label: str, steal: Dict[str, 
     from ..emulate.launcher import Emulation
 
     for attempt in range(1, attempts + 1):
-        emu = Emulation(spec, cmd, timeout=timeout, out=sys.stderr.buffer)
+        emu = Emulation(spec, cmd, timeout=timeout, out=sys.stderr.buffer, cpu_budget=cpu_budget)
         meter = StealMeter()
         code = emu.run()
         steal[label] = meter.fraction()
@@ -176,7 +178,7 @@ def stage_comparison(cb, breakdowns: List[Any], micro_batches: int) -> List[Dict
 
 def main(argv=None) -> int:
     a = _args(sys.argv[1:] if argv is None else argv)
-    from ..emulate.launcher import EmulationUnavailable, check_available
+    from ..emulate.launcher import DEFAULT_BUDGET, EmulationUnavailable, check_available
     from ..emulate.spec import from_cluster
     from ..placement.cluster import Cluster
     from ..placement.cost import evaluate
@@ -213,7 +215,7 @@ def main(argv=None) -> int:
             try:
                 _emulate(spec, [sys.executable, "-m", "pdv_ext.cli", "probe", "--out", probed_path,
                                 "--sizes", "2097152", "4194304", "8388608", "--reps", "3", "--matmul-size", "1024"],
-                         a.timeout, "probe", steal)
+                         a.timeout, "probe", steal, cpu_budget=a.cpu_budget)
                 cluster, source = _probed_cluster(yaml_cluster, probed_path, ref), "probed"
                 probed = [round(cluster.speed(i), 3) for i in range(len(cluster))]
                 log(f"probed speeds {probed} (YAML {[round(yaml_cluster.speed(i), 3) for i in range(len(cluster))]}), "
@@ -229,7 +231,7 @@ def main(argv=None) -> int:
             log(f"profiling the demo GPT on the reference device of {a.cluster} ({i + 1}/{n_profiles})")
             emulated = _emulate(spec, timer + ["profile", "--cluster", a.cluster, "--out", path,
                                                "--workload-speeds", "--message-cpu"] + model, a.timeout,
-                                f"profile{i}", steal)
+                                f"profile{i}", steal, cpu_budget=a.cpu_budget)
             raw = Profile.load(path)
             log(f"  engine work on the reference device: micro-batch {raw.engine_micro_batch * 1e3:.2f} ms, "
                 f"step {raw.engine_step * 1e3:.2f} ms; whole model per device "
@@ -275,7 +277,8 @@ def main(argv=None) -> int:
                 extra = ["--plan", plan_path] if which == "planned" else ["--stages", str(a.default_stages)]
                 log(f"run {rep + 1}/{a.repeats}: {which}")
                 _emulate(spec, timer + ["train", "--out", out, "--steps", str(a.steps), "--warmup", str(a.warmup),
-                                        "--breakdown"] + model + extra, a.timeout, f"{which}{rep}", steal)
+                                        "--breakdown"] + model + extra, a.timeout, f"{which}{rep}", steal,
+                         cpu_budget=a.cpu_budget)
                 with open(out) as f:
                     runs[which].append(json.load(f))
                 log(f"  {which}: median step {runs[which][-1]['median_step_ms']:.1f} ms")
@@ -327,6 +330,7 @@ def main(argv=None) -> int:
         "engine_step_ms": round(profile.engine_step * 1e3, 3),
         "cluster": os.path.relpath(a.cluster, ROOT) if a.cluster.startswith(ROOT) else a.cluster,
         "micro_batches": a.micro_batches, "steps": a.steps, "repeats": a.repeats,
+        "cpu_budget": round(a.cpu_budget if a.cpu_budget is not None else DEFAULT_BUDGET * (os.cpu_count() or 1), 3),
         # the hypervisor's share of the CPU during probe, profile and each training run: where it is high the
         # devices did not get their quotas and the emulated speeds drifted (docs/placement.md)
         "host_steal": {k: None if f is None else round(f, 3) for k, f in steal.items()},

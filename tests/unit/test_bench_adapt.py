@@ -51,6 +51,20 @@ def test_bad_scenarios_are_one_line_each(tmp_path):
         adapt.load_scenario(_write(tmp_path, f"cluster: {cluster}\nrun: {{data: 4, steps: 5, policy: "
                                              "{plugins: [{name: rebalnce}]}}\n"))
     assert "rebalnce" in e.value.errors[0] and "did you mean 'rebalance'" in e.value.errors[0]
+    with pytest.raises(ConfigError) as e:
+        adapt.load_scenario(_write(tmp_path, f"cluster: {cluster}\nrun: {{data: 4, steps: 5, cpu_budget: 0}}\n"))
+    assert any("run.cpu_budget" in line for line in e.value.errors)
+
+
+def test_a_cpu_budget_is_read_and_a_bad_one_refused_before_anything_runs(tmp_path, capsys):
+    cluster = os.path.join(ROOT, "launch", "clusters", "emulated_4equal.yaml")
+    sc = adapt.load_scenario(_write(tmp_path, f"cluster: {cluster}\nrun: {{data: 4, steps: 5, cpu_budget: 0.5}}\n"
+                                              "events: [{at_step: 2, device: d1, throughput: 0.5}]\n"))[0]
+    assert sc.run.cpu_budget == 0.5
+    assert adapt._budget(None) == round(0.55 * (os.cpu_count() or 1), 3) and adapt._budget(0.5) == 0.5
+    with pytest.raises(SystemExit):
+        adapt.main(["--scenario", os.path.join(SCENARIOS, "calm.yaml"), "--cpu-budget", "-1"])
+    assert "--cpu-budget must be > 0 cores (got -1)" in capsys.readouterr().err
 
 
 def _result():
