@@ -163,14 +163,14 @@ def summary(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
 def main(argv=None) -> int:
     a = _args(sys.argv[1:] if argv is None else argv)
     from ..emulate import cgroup
-    from ..emulate.hoststat import StealMeter
-    from ..emulate.launcher import DEFAULT_BUDGET, Emulation, EmulationUnavailable, check_available
+    from ..emulate.launcher import DEFAULT_BUDGET, EmulationUnavailable, check_available
     from ..emulate.spec import from_cluster
     from ..placement.cluster import Cluster, reference_device
     from ..placement.cost import evaluate
     from ..placement.profile import Profile
     from ..placement.simulate import replay
     from ..placement.solvers import solve
+    from .placement import _emulate
 
     try:
         cluster = Cluster.load(a.cluster)
@@ -195,17 +195,8 @@ def main(argv=None) -> int:
     timer = [sys.executable, "-m", "pdv_ext.emulate.train_step_timer"]
     steal: Dict[str, Optional[float]] = {}
 
-    def emulate(cl, cmd: List[str], label: str) -> None:
-        for attempt in (1, 2):  # a finished rank has been seen aborting in gloo's teardown: once is not fatal
-            emu = Emulation(from_cluster(cl), cmd, timeout=a.timeout, cpu_budget=budget, top_share=top,
-                            out=sys.stderr.buffer)
-            meter = StealMeter()
-            code = emu.run()
-            steal[label] = meter.fraction()
-            if code == 0:
-                return
-            log(f"{label}: emulated run failed with exit code {code} (attempt {attempt}/2)")
-        raise RuntimeError(f"emulated run {label} failed: {' '.join(cmd)}")
+    def emulate(cl, cmd: List[str], label: str) -> None:  # retried once, as bench placement's runs are
+        _emulate(from_cluster(cl), cmd, a.timeout, label, steal, cpu_budget=budget, top_share=top)
 
     arts = os.path.join(ARTIFACTS, f"budget-{budget:.2f}")  # the profile and every run, kept per budget
     os.makedirs(arts, exist_ok=True)

@@ -92,7 +92,7 @@ def _args(argv):
 
 
 def _emulate(spec, cmd: List[str], timeout: float, label: str, steal: Dict[str, Optional[float]],
-             attempts: int = 2, cpu_budget: Optional[float] = None) -> bool:
+             attempts: int = 2, cpu_budget: Optional[float] = None, top_share: Optional[float] = None) -> bool:
     """Run `cmd` on the emulated cluster; True when link latencies were emulated (sch_netem present).
     Records the hypervisor's steal share during the run as `steal[label]` (quotas are not delivered under
     steal).
@@ -103,7 +103,7 @@ def _emulate(spec, cmd: List[str], timeout: float, label: str, steal: Dict[str, 
     from ..emulate.launcher import Emulation
 
     for attempt in range(1, attempts + 1):
-        emu = Emulation(spec, cmd, timeout=timeout, out=sys.stderr.buffer, cpu_budget=cpu_budget)
+        emu = Emulation(spec, cmd, timeout=timeout, out=sys.stderr.buffer, cpu_budget=cpu_budget, top_share=top_share)
         meter = StealMeter()
         code = emu.run()
         steal[label] = meter.fraction()
