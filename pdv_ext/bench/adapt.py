@@ -415,9 +415,9 @@ def pipeline_placement(sc, cluster, workroot: str, keep_profile: bool = False) -
 
 def _budget(cores: Optional[float]) -> float:
     """The cores the emulated devices shared: the scenario's, or `pdv emulate`'s default on this machine."""
-    from ..emulate.launcher import DEFAULT_BUDGET
+    from ..emulate.launcher import default_cpu_budget
 
-    return round(cores if cores is not None else DEFAULT_BUDGET * (os.cpu_count() or 1), 3)
+    return round(cores if cores is not None else default_cpu_budget(), 3)
 
 
 def yaml_dump(data: Any, f: Any) -> None:

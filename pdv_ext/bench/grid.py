@@ -163,7 +163,7 @@ def summary(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
 def main(argv=None) -> int:
     a = _args(sys.argv[1:] if argv is None else argv)
     from ..emulate import cgroup
-    from ..emulate.launcher import DEFAULT_BUDGET, EmulationUnavailable, check_available
+    from ..emulate.launcher import EmulationUnavailable, check_available, default_cpu_budget
     from ..emulate.spec import from_cluster
     from ..placement.cluster import Cluster, reference_device
     from ..placement.cost import evaluate
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     except EmulationUnavailable as exc:
         print(f"pdv bench grid: emulation unavailable: {exc}", file=sys.stderr)
         return 2
-    budget = a.cpu_budget if a.cpu_budget is not None else DEFAULT_BUDGET * (os.cpu_count() or 1)
+    budget = a.cpu_budget if a.cpu_budget is not None else default_cpu_budget()
     calm_cores = cgroup.shares([cluster.speed(i) for i in range(len(cluster))], budget)
     top = max(calm_cores)  # the calm fastest device's cores: a slowed device loses its own, nobody gains
     n = len(cluster)

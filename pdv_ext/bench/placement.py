@@ -178,7 +178,7 @@ def stage_comparison(cb, breakdowns: List[Any], micro_batches: int) -> List[Dict
 
 def main(argv=None) -> int:
     a = _args(sys.argv[1:] if argv is None else argv)
-    from ..emulate.launcher import DEFAULT_BUDGET, EmulationUnavailable, check_available
+    from ..emulate.launcher import EmulationUnavailable, check_available, default_cpu_budget
     from ..emulate.spec import from_cluster
     from ..placement.cluster import Cluster
     from ..placement.cost import evaluate
@@ -330,7 +330,7 @@ def main(argv=None) -> int:
         "engine_step_ms": round(profile.engine_step * 1e3, 3),
         "cluster": os.path.relpath(a.cluster, ROOT) if a.cluster.startswith(ROOT) else a.cluster,
         "micro_batches": a.micro_batches, "steps": a.steps, "repeats": a.repeats,
-        "cpu_budget": round(a.cpu_budget if a.cpu_budget is not None else DEFAULT_BUDGET * (os.cpu_count() or 1), 3),
+        "cpu_budget": round(a.cpu_budget if a.cpu_budget is not None else default_cpu_budget(), 3),
         # the hypervisor's share of the CPU during probe, profile and each training run: where it is high the
         # devices did not get their quotas and the emulated speeds drifted (docs/placement.md)
         "host_steal": {k: None if f is None else round(f, 3) for k, f in steal.items()},

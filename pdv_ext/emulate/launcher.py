@@ -65,6 +65,11 @@ def new_run_name() -> str:
 DEFAULT_BUDGET = 0.55
 
 
+def default_cpu_budget() -> float:
+    """The cores the emulated devices share unless a run says otherwise: DEFAULT_BUDGET of this machine's."""
+    return DEFAULT_BUDGET * (os.cpu_count() or 1)
+
+
 class Emulation:
     def __init__(self, spec: EmuSpec, command: Sequence[str], timeout: Optional[float] = None,
                  cpu_budget: Optional[float] = None, top_share: Optional[float] = None,
@@ -75,7 +80,7 @@ class Emulation:
         self.spec = spec
         self.command = list(command)
         self.timeout = timeout
-        budget = cpu_budget if cpu_budget is not None else DEFAULT_BUDGET * (os.cpu_count() or 1)
+        budget = cpu_budget if cpu_budget is not None else default_cpu_budget()
         self.cores = cgroup.shares([d.speed for d in spec.devices], budget, top_share)
         self.name = run_name or new_run_name()
         self.env = env or {}
