@@ -29,12 +29,10 @@ otherwise.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
-import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
@@ -550,6 +548,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if a.cpu_budget is not None:
         sc.run.cpu_budget = a.cpu_budget
+    from ..emulate.events import resolve_steps
+
     if a.steps is not None:
         sc.run.steps = a.steps
         events = resolve_steps(events, sc.run.steps)  # at_fraction: a share of the steps run
@@ -557,7 +557,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         if e.at_step is not None and e.at_step >= sc.run.steps:
             log(f"adapt: event {i} ({e.origin}) at step {e.at_step} is not within the run's {sc.run.steps} steps: "
                 "it will not happen")
-    from ..emulate.events import resolve_steps
     from ..emulate.launcher import EmulationUnavailable, check_available
 
     try:

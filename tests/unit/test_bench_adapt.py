@@ -67,6 +67,20 @@ def test_a_cpu_budget_is_read_and_a_bad_one_refused_before_anything_runs(tmp_pat
     assert "--cpu-budget must be > 0 cores (got -1)" in capsys.readouterr().err
 
 
+def test_steps_override_reaches_the_emulator_check(monkeypatch, capsys):
+    # --steps re-places the events given as a share of the run; it raised UnboundLocalError before (an import
+    # of resolve_steps below its use)
+    from pdv_ext.emulate import launcher
+
+    def unavailable():
+        raise launcher.EmulationUnavailable("no emulation in this test")
+
+    monkeypatch.setattr(launcher, "check_available", unavailable)
+    assert adapt.main(["--scenario", os.path.join(SCENARIOS, "pipe2x2_straggler.yaml"), "--steps", "10"]) == 2
+    err = capsys.readouterr().err
+    assert "no emulation in this test" in err and "is not within the run's 10 steps" in err
+
+
 def _result():
     # 10 steps of 1 s (batch 64) from t=100, an event hit during step 4, a change decided after step 6
     ends = [100.0 + i for i in range(1, 11)]
