@@ -245,6 +245,59 @@ def plot_faults(result_path: str, out: str, smooth: int = 3) -> List[str]:
     return drawn
 
 
+def plot_batch(result_path: str, out: str) -> List[str]:
+    """A batch regime of `pdv bench adaptive --scenario`: each run's held-out loss over its training seconds
+    (the target as a line: the first run to cross it wins), and below, the micro-batches per replica each
+    run used over time (a schedule's or the adaptive run's changes). The middle round of each run. Returns
+    the runs drawn."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(result_path, encoding="utf-8") as f:
+        res = json.load(f)
+    traces = res.get("traces") or {}
+    if not traces:
+        raise ValueError(f"{result_path}: no traces (expected the JSON `pdv bench adaptive --scenario` writes)")
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(10, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.2]})
+    drawn = []
+    for label, rounds in traces.items():
+        rows = rounds[len(rounds) // 2] if rounds else []
+        if not rows:
+            continue
+        secs = [r[2] for r in rows]
+        style = "-" if label.startswith("fixed") else ("--" if label.startswith("schedule") else "-.")
+        line, = ax.plot(secs, [r[3] for r in rows], style, label=label, linewidth=1.4)
+        bx.step(secs, [r[4] for r in rows], where="post", color=line.get_color(), linestyle=style, linewidth=1.2)
+        drawn.append(label)
+    ax.axhline(res["target_loss"], color="black", linewidth=0.8, linestyle=":")
+    ax.text(0.99, res["target_loss"], f" target {res['target_loss']}", transform=ax.get_yaxis_transform(),
+            ha="right", va="bottom", fontsize=8)
+    ax.set_ylabel("held-out loss (nats/byte)")
+    lo = res["target_loss"]
+    ax.set_ylim(lo - 0.15, lo + 0.9)
+    head = f"{res.get('scenario', '')}: time to held-out {res['target_loss']}"
+    if res.get("best_fixed"):
+        head += f"; best fixed {res['best_fixed']['micro_batches']} micro-batches {res['best_fixed']['seconds_to_target']:.1f} s"
+    if res.get("headroom") is not None:
+        head += f"; best schedule {res['schedule_vs_best_fixed']:.2f}x (headroom {res['headroom']:.0%})"
+    ax.set_title(head, fontsize=10)
+    ax.legend(fontsize=8, ncol=2)
+    bx.set_yscale("log", base=2)
+    from matplotlib.ticker import ScalarFormatter
+
+    bx.yaxis.set_major_formatter(ScalarFormatter())
+    bx.set_ylabel("micro-batches\nper replica")
+    bx.set_xlabel("training seconds (held-out evaluations not counted)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return drawn
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="pdv plot", description=__doc__)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -256,6 +309,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ad.add_argument("result", help="the JSON `pdv bench adapt` wrote (build/bench-adapt/<scenario>.json)")
     ad.add_argument("--out", default=None, help="PNG path (default: next to the JSON, <scenario>.png)")
     ad.add_argument("--smooth", type=int, default=3, help="rolling mean over this many steps")
+    ba = sub.add_parser("batch", help="plot held-out loss and batch over time of a `pdv bench adaptive --scenario` result")
+    ba.add_argument("result", help="the JSON `pdv bench adaptive --scenario` wrote (build/bench-adaptive/<scenario>.json)")
+    ba.add_argument("--out", default=None, help="PNG path (default: next to the JSON, <scenario>.png)")
     fa = sub.add_parser("faults", help="plot samples/s over time of a `pdv bench faults --out` result")
     fa.add_argument("result", help="the JSON `pdv bench faults --out FILE` wrote")
     fa.add_argument("--out", default=None, help="PNG path (default: next to the JSON, same name .png)")
@@ -264,7 +320,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     import os
 
     try:
-        if a.what in ("adapt", "faults"):
+        if a.what == "batch":
+            out = a.out or os.path.splitext(os.path.abspath(a.result))[0] + ".png"
+            drawn = plot_batch(a.result, out)
+        elif a.what in ("adapt", "faults"):
             out = a.out or os.path.splitext(os.path.abspath(a.result))[0] + ".png"
             drawn = (plot_adapt if a.what == "adapt" else plot_faults)(a.result, out, a.smooth)
         else:

@@ -261,7 +261,15 @@ def parse_schedule(text: str, ranks: int) -> List[Tuple[int, int]]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = parser("adaptive", __doc__)
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(x == "--scenario" or x.startswith("--scenario=") for x in args) or args[:1] == ["--rank"]:
+        from .batch_regime import main as regime  # a regime on the emulated cluster (batch_regime.py)
+
+        return regime(args)
+    ap = parser("adaptive", __doc__ + "\nWith --scenario FILE: a batch regime on the emulated cluster "
+                "(pdv_ext/bench/batch_regime.py; `pdv bench adaptive --scenario FILE --help`).")
     ap.add_argument("--quick", action="store_true", help="small budget (smoke test)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--batches", type=int, nargs=3, default=[16, 64, 256], help="fixed global batch sizes")

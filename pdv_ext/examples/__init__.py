@@ -14,7 +14,8 @@ scenarios, such as `../clusters/emulated_4dev.yaml`, keep working):
     configs/           demo.json, placement.json, recovery.json, horovod.yaml, my_plugins.json
     clusters/          cluster YAMLs (emulated_4dev.yaml, emulated_4equal.yaml, homogeneous.yaml, ...)
     scenarios/         `pdv bench adapt` scenarios (cluster + run shape + events); host_loss.yaml and
-                       device_loss.yaml: faults for `pdv emulate` (docs/recovery.md)
+                       device_loss.yaml: faults for `pdv emulate` (docs/recovery.md); batch_*.yaml: batch
+                       regimes for `pdv bench adaptive --scenario` (docs/policy.md)
 
 This module imports nothing heavy: `pdv example` lists and copies without torch.
 """
