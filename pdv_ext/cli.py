@@ -19,7 +19,7 @@ COMMANDS = {
     "probe": ("pdv_ext.placement.probe:main", "measure devices and links of the launched ranks"),
     "profile": ("pdv_ext.placement.cli:profile_main", "profile the layers of a model"),
     "emulate": ("pdv_ext.emulate.cli:main", "run a command on an emulated heterogeneous cluster"),
-    "plot": ("pdv_ext.plot:main", "plot metrics or a bench result (pdv plot metrics|adapt FILE --out m.png)"),
+    "plot": ("pdv_ext.plot:main", "plot metrics or a bench result (pdv plot metrics|adapt|faults|batch FILE --out m.png)"),
     "example": ("pdv_ext.examples:main", "list the shipped examples, or copy one out: pdv example NAME DIR"),
 }
 
