@@ -287,9 +287,10 @@ def plot_batch(result_path: str, out: str) -> List[str]:
     ax.set_title(head, fontsize=10)
     ax.legend(fontsize=8, ncol=2)
     bx.set_yscale("log", base=2)
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    bx.yaxis.set_major_formatter(ScalarFormatter())
+    bx.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    bx.yaxis.set_minor_formatter(NullFormatter())
     bx.set_ylabel("micro-batches\nper replica")
     bx.set_xlabel("training seconds (held-out evaluations not counted)")
     fig.tight_layout()

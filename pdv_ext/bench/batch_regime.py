@@ -350,6 +350,11 @@ def figures(sc: BatchScenario, runs: List[Dict[str, Any]], results: Dict[str, Li
                            "lr_rule": sc.batch.lr_rule, "repeats": sc.batch.repeats, "fixed": fixed,
                            "schedules": scheds}
     ok = [f for f in fixed if f["reached"]]
+    if not fixed:  # `--only` left the fixed runs out: nothing to compare with
+        out["note"] = "no fixed batch was run in this job (--only): no best fixed batch, headroom or ratio"
+        if "adaptive" in rows:
+            out["adaptive"] = rows["adaptive"]
+        return out
     if not ok:
         out["error"] = (f"no fixed batch reached the target loss {sc.batch.target_loss} within "
                         f"{sc.batch.max_samples} samples: raise batch.max_samples or the target")

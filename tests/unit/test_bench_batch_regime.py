@@ -137,3 +137,11 @@ def test_plot_batch_draws_every_run(tmp_path):
     assert out.stat().st_size > 10_000
     path.write_text(json.dumps({"target_loss": 1.9}))
     assert plot.main(["batch", str(path), "--out", str(out)]) == 2  # not a batch result: one line, no trace
+
+
+def test_a_job_without_fixed_runs_reports_no_ratio_and_no_error():
+    sc = _sc({"plugins": [{"name": "gns_batch_size"}]})
+    runs = [r for r in br.runs_of(sc) if r["kind"] == "adaptive"]  # --only adaptive
+    out = br.figures(sc, runs, {"adaptive": _rounds(18)})
+    assert "error" not in out and "ratio" not in out and "no fixed batch was run" in out["note"]
+    assert out["adaptive"]["seconds_to_target"] == 18
