@@ -91,13 +91,12 @@ class Scenario(StrictModel):
     events: List[Any] = []
 
 
-def load_scenario(path: str, faults_ok: bool = False):
-    """(Scenario, Cluster, cluster path, EmuSpec, timeline); ConfigError with one line per problem (a fault
-    scenario is one unless `faults_ok`: `pdv bench faults` runs those)."""
+def read_scenario(path: str, model: Any, keys: str) -> tuple:
+    """(the file validated by `model`, Cluster, the cluster's path): a scenario's YAML read, its `cluster:`
+    (a path relative to the file, or a mapping) loaded; ConfigError with one line per problem. `keys` names
+    the file's sections for the error on a file that is not a mapping."""
     import yaml
 
-    from ..emulate.events import load_timeline
-    from ..emulate.spec import from_cluster
     from ..placement.cluster import Cluster
 
     try:
@@ -108,19 +107,26 @@ def load_scenario(path: str, faults_ok: bool = False):
     except yaml.YAMLError as exc:
         raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
     if not isinstance(data, dict):
-        raise ConfigError([f"{path}: expected a mapping with cluster:, run: and events:"])
+        raise ConfigError([f"{path}: expected a mapping with {keys}"])
     try:
-        sc = Scenario.model_validate(data)
+        sc = model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError([f"{path}: {line}" for line in format_errors(exc, Scenario, "")]) from None
+        raise ConfigError([f"{path}: {line}" for line in format_errors(exc, model, "")]) from None
     if isinstance(sc.cluster, str):
         cluster_path = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), sc.cluster))
-        cluster = Cluster.load(cluster_path)
-    elif isinstance(sc.cluster, dict):
-        cluster_path = path
-        cluster = Cluster.from_dict(sc.cluster, source=f"{path}: cluster")
-    else:
-        raise ConfigError([f"{path}: cluster: a cluster YAML path (relative to the scenario) or a mapping"])
+        return sc, Cluster.load(cluster_path), cluster_path
+    if isinstance(sc.cluster, dict):
+        return sc, Cluster.from_dict(sc.cluster, source=f"{path}: cluster"), path
+    raise ConfigError([f"{path}: cluster: a cluster YAML path (relative to the scenario) or a mapping"])
+
+
+def load_scenario(path: str, faults_ok: bool = False):
+    """(Scenario, Cluster, cluster path, EmuSpec, timeline); ConfigError with one line per problem (a fault
+    scenario is one unless `faults_ok`: `pdv bench faults` runs those)."""
+    from ..emulate.events import load_timeline
+    from ..emulate.spec import from_cluster
+
+    sc, cluster, cluster_path = read_scenario(path, Scenario, "cluster:, run: and events:")
     run = sc.run
     if run.pipe * run.data != len(cluster):
         raise ConfigError([f"{path}: run: pipe x data = {run.pipe * run.data} ranks, but the cluster has "

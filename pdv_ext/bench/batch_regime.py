@@ -43,9 +43,9 @@ import sys
 import time
 from typing import Any, Dict, List, Literal, Optional, Tuple
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 
-from ..config_base import ConfigError, StrictModel, format_errors
+from ..config_base import ConfigError, StrictModel
 from .adapt import ModelShape
 from .common import emit, log, median, parser
 
@@ -135,30 +135,10 @@ def lr_factor(rule: str, ratio: float) -> float:
 
 def load(path: str):
     """(BatchScenario, EmuSpec); ConfigError with one line per problem, before anything runs."""
-    import yaml
-
     from ..emulate.spec import from_cluster
-    from ..placement.cluster import Cluster
+    from .adapt import read_scenario
 
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
-    except OSError as exc:
-        raise ConfigError([f"{path}: cannot read ({exc.strerror})"]) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
-    if not isinstance(data, dict):
-        raise ConfigError([f"{path}: expected a mapping with cluster:, run: and batch:"])
-    try:
-        sc = BatchScenario.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError([f"{path}: {line}" for line in format_errors(exc, BatchScenario, "")]) from None
-    if isinstance(sc.cluster, str):
-        cluster = Cluster.load(os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), sc.cluster)))
-    elif isinstance(sc.cluster, dict):
-        cluster = Cluster.from_dict(sc.cluster, source=f"{path}: cluster")
-    else:
-        raise ConfigError([f"{path}: cluster: a cluster YAML path (relative to the scenario) or a mapping"])
+    sc, cluster, _ = read_scenario(path, BatchScenario, "cluster:, run: and batch:")
     errors: List[str] = []
     run, plan = sc.run, sc.batch
     if run.pipe * run.data != len(cluster):
