@@ -50,11 +50,11 @@ def test_adaptive_run_rebalances_after_the_event(tmp_path):
     assert summary["oracle_shares"] == [3, 2, 2, 1]  # what the oracle would run: the split for d3 at 0.2
     assert ad["event_steps"] and ad["event_steps"][0] is not None
     assert ad["decisions"], p.stderr[-3000:]
-    first = ad["decisions"][0]
-    # the slowed replica takes a smallest share at once, and the smallest alone in some decision (the first one
-    # is made from one or two steps' timings: a noisy step of another replica has tied it, [1, 4, 2, 1])
-    assert first["shares"][3] <= min(first["shares"][:3]), ad["decisions"]
-    assert any(d["shares"][3] < min(d["shares"][:3]) for d in ad["decisions"]), ad["decisions"]
+    # the slowed replica gets less than the equal split (2 of 8) and no more than any other replica in every
+    # decision. Not "the smallest alone": the decisions are made from one or two steps' timings, and on a loaded
+    # machine other quota-limited replicas read as slow as it (CI: [1, 4, 2, 1]; [1, 5, 1, 1] then [1, 1, 5, 1])
+    for d in ad["decisions"]:
+        assert sum(d["shares"]) == 8 and d["shares"][3] < 2 and d["shares"][3] <= min(d["shares"][:3]), ad["decisions"]
     assert ad["adaptations"][0]["agreement_steps"] <= 5
     assert ad["samples"] == 12 * 4 * 2 * 4 and ad["held_out_loss"] > 0
     full = json.loads(out.read_text())
