@@ -34,7 +34,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from pydantic import Field, ValidationError
 
@@ -183,25 +183,43 @@ def oracle_shares(cluster, events, run: RunShape) -> Optional[List[int]]:
 # ---------------------------------------------------------------------------------------------------
 # rank side (python -m pdv_ext.bench.adapt --rank ARGS.json, one process per emulated device)
 # ---------------------------------------------------------------------------------------------------
-def rank_main(args: Dict[str, Any]) -> int:
+def build_gpt_engine(run: Any, pdv: Dict[str, Any], micro_batches: int, lr: float) -> Tuple[Any, Any, Any]:
+    """The benchmarks' GPT pipeline on this rank (gloo; Adam; the `pdv` section given) and its training data:
+    (engine, the data iterator, the held-out text). `run` has pipe, data, micro_batch, seed and `model`."""
     import deepspeed
     import torch
-    import torch.distributed as dist
     from deepspeed.pipe import PipelineModule
 
     import pdv_ext
-    from ..emulate.events import mark_start, mark_step
-    from ..integrations.deepspeed.topology import current_mapping
-    from ..models import ByteWindows, TextWindows, gpt_layers, lm_loss, seed_layer, text_splits
+    from ..models import TextWindows, gpt_layers, lm_loss, seed_layer, text_splits
     from ..policy.data import ElasticBatches
 
-    run = RunShape.model_validate(args["run"])
     m = run.model
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(run.seed)
     model = PipelineModule(layers=gpt_layers(m.layers, m.hidden, m.heads, m.seq_len), num_stages=run.pipe,
                            loss_fn=lm_loss, seed_layers=True, seed_fn=seed_layer, base_seed=run.seed,
                            partition_method="parameters")
+    cfg = {"train_micro_batch_size_per_gpu": run.micro_batch, "gradient_accumulation_steps": micro_batches,
+           "train_batch_size": run.micro_batch * micro_batches * run.data,
+           "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True}},
+           "steps_per_print": 10 ** 9, "pdv": pdv}
+    engine, _, _, _ = pdv_ext.initialize(model=model, config=cfg,
+                                         model_parameters=(p for p in model.parameters() if p.requires_grad))
+    train_text, held_text = text_splits()
+    data = ElasticBatches.for_engine(engine, TextWindows(train_text, m.seq_len), seed=run.seed)
+    return engine, data, held_text
+
+
+def rank_main(args: Dict[str, Any]) -> int:
+    import torch.distributed as dist
+
+    from ..emulate.events import mark_start, mark_step
+    from ..integrations.deepspeed.topology import current_mapping
+    from ..models import ByteWindows
+
+    run = RunShape.model_validate(args["run"])
+    m = run.model
     pdv: Dict[str, Any] = {"aggregation": {"type": "mean"}}
     if args.get("placement"):  # pipelines: the start-up plan (cluster + profile), or the oracle's plan file
         pdv["placement"] = args["placement"]
@@ -209,14 +227,7 @@ def rank_main(args: Dict[str, Any]) -> int:
         pdv["data_shares"] = list(args["shares"])
     if args.get("policy"):
         pdv["policy"] = args["policy"]
-    cfg = {"train_micro_batch_size_per_gpu": run.micro_batch, "gradient_accumulation_steps": run.micro_batches,
-           "train_batch_size": run.micro_batch * run.micro_batches * run.data,
-           "optimizer": {"type": "Adam", "params": {"lr": run.lr, "torch_adam": True}},
-           "steps_per_print": 10 ** 9, "pdv": pdv}
-    engine, _, _, _ = pdv_ext.initialize(model=model, config=cfg,
-                                         model_parameters=(p for p in model.parameters() if p.requires_grad))
-    train_text, held_text = text_splits()
-    data = ElasticBatches.for_engine(engine, TextWindows(train_text, m.seq_len), seed=run.seed)
+    engine, data, held_text = build_gpt_engine(run, pdv, run.micro_batches, run.lr)
     rank0 = dist.get_rank() == 0
     for _ in range(run.warmup_steps):
         engine.train_batch(data_iter=data)

@@ -196,34 +196,18 @@ def _policy(spec: Dict[str, Any], rule: str) -> Optional[Dict[str, Any]]:
 # rank side (python -m pdv_ext.bench.batch_regime --rank ARGS.json, one process per emulated device)
 # ---------------------------------------------------------------------------------------------------
 def rank_main(args: Dict[str, Any]) -> int:
-    import deepspeed
     import torch
     import torch.distributed as dist
-    from deepspeed.pipe import PipelineModule
 
-    import pdv_ext
-    from ..models import ByteWindows, TextWindows, gpt_layers, lm_loss, seed_layer, text_splits
-    from ..policy.data import ElasticBatches
+    from ..models import ByteWindows
+    from .adapt import build_gpt_engine
 
     run = BatchRun.model_validate(args["run"])
     m = run.model
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(run.seed)
-    model = PipelineModule(layers=gpt_layers(m.layers, m.hidden, m.heads, m.seq_len), num_stages=run.pipe,
-                           loss_fn=lm_loss, seed_layers=True, seed_fn=seed_layer, base_seed=run.seed,
-                           partition_method="parameters")
     pdv: Dict[str, Any] = {"aggregation": {"type": "mean"}}
     if args.get("policy"):
         pdv["policy"] = args["policy"]
-    mb = int(args["micro_batches"])
-    cfg = {"train_micro_batch_size_per_gpu": run.micro_batch, "gradient_accumulation_steps": mb,
-           "train_batch_size": run.micro_batch * mb * run.data,
-           "optimizer": {"type": "Adam", "params": {"lr": float(args["lr"]), "torch_adam": True}},
-           "steps_per_print": 10 ** 9, "pdv": pdv}
-    engine, _, _, _ = pdv_ext.initialize(model=model, config=cfg,
-                                         model_parameters=(p for p in model.parameters() if p.requires_grad))
-    train_text, held_text = text_splits()
-    data = ElasticBatches.for_engine(engine, TextWindows(train_text, m.seq_len), seed=run.seed)
+    engine, data, held_text = build_gpt_engine(run, pdv, int(args["micro_batches"]), float(args["lr"]))
     xs, ys = ByteWindows(held_text, m.seq_len, 1, seed=999).batch(0, run.held_out)
     mbs = run.micro_batch
     held = [(xs[i:i + mbs], ys[i:i + mbs]) for i in range(0, len(xs) - mbs + 1, mbs)]
