@@ -42,6 +42,9 @@ class SetBatchSize(Action):
     micro_batch_size: Optional[int] = None
     lr_rule: Optional[LRRule] = None
     source: str = ""
+    #: why, for the log line and the benchmarks' decision lists (e.g. the throughputs and efficiencies that
+    #: decided it)
+    reason: str = ""
 
 
 @dataclass(frozen=True)

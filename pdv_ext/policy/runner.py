@@ -21,7 +21,7 @@ from .base import (CHANGE_KINDS, Action, Change, Policy, Replan, SetAggregator, 
                    SetGossipPeers, SetLearningRate, TrainContext, action_from_dict)
 from ..log import logger as pdv_logger
 from .gns import lr_factor
-from .shares import check_shares
+from .shares import check_shares, rescale_shares
 
 log = pdv_logger.getChild("policy")
 
@@ -232,7 +232,10 @@ class PolicyRunner:
                 raise ValueError(f"SetDataShares: {type(self.applier).__name__} has no per-replica batches")
             _, mb, dp = self._geom or self.applier.batch_geometry()
             if a.shares is not None:
-                check_shares(a.shares, dp, mb * dp, what="SetDataShares")
+                _, mb_now, _ = self.applier.batch_geometry()
+                if mb != mb_now and sum(a.shares) == mb_now * dp:  # split for the batch a queued change replaces
+                    d["shares"] = tuple(rescale_shares(a.shares, mb * dp))
+                check_shares(d["shares"], dp, mb * dp, what="SetDataShares")
         return item
 
     def _broadcast(self, payload: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -264,10 +267,19 @@ class PolicyRunner:
                 raise ValueError(f"SetBatchSize from '{action.source}': sizes must be >= 1 (got {mb}, {mbs})")
             if (mb, mbs) == (mb0, mbs0):
                 return "no change"
-            ap.set_batch_size(mb, mbs)
+            shares = ap.data_shares() if hasattr(ap, "data_shares") else None
+            ap.set_batch_size(mb, mbs)  # (an applier starts a new global batch from the equal split)
+            kept = ""
+            if shares is not None and mb != mb0:  # the split another policy chose, carried to the new batch
+                scaled = rescale_shares(shares, mb * dp)
+                if len(set(scaled)) > 1:
+                    ap.set_data_shares(scaled)
+                kept = f", data shares {list(shares)} -> {scaled if len(set(scaled)) > 1 else 'equal'}"
+            elif shares is not None:
+                ap.set_data_shares(shares)
             self._scale_lr(float(item.get("lr_factor", 1.0)))
             return (f"batch {mbs0 * mb0 * dp} -> {mbs * mb * dp} (micro_batches {mb0} -> {mb}, micro_batch_size "
-                    f"{mbs0} -> {mbs}), lr {lr0:.4g} -> {_first(ap.get_lr()):.4g}")
+                    f"{mbs0} -> {mbs}), lr {lr0:.4g} -> {_first(ap.get_lr()):.4g}{kept}")
         if isinstance(action, SetLearningRate):
             if action.lr is not None:
                 self.base_lrs = [float(action.lr)] * len(ap.get_lr())
@@ -390,7 +402,8 @@ def _first(lrs: Sequence[float]) -> float:
 
 def _action_text(action: Action) -> str:
     """`SetBatchSize(micro_batches=8, lr_rule='sqrt')`: the action's values that were given."""
-    values = {k: v for k, v in action.to_dict().items() if k not in ("action", "source") and v is not None}
+    values = {k: v for k, v in action.to_dict().items()
+              if k not in ("action", "source") and v is not None and not (k == "reason" and not v)}
     return f"{type(action).__name__}({', '.join(f'{k}={v!r}' for k, v in values.items())})"
 
 

@@ -55,6 +55,22 @@ def equal_shares(total: int, replicas: int) -> List[int]:
     return [total // replicas + (1 if i < total % replicas else 0) for i in range(replicas)]
 
 
+def rescale_shares(shares: Sequence[int], total: int) -> List[int]:
+    """`shares` carried to a global batch of `total` micro-batches in the same proportions (largest
+    remainders; every replica keeps at least one): a batch change keeps the split another policy chose for
+    the replicas' speeds instead of undoing it."""
+    n, old = len(shares), sum(shares)
+    if total < n:
+        raise ValueError(f"{total} micro-batches cannot give each of {n} replicas one")
+    exact = [s * total / old for s in shares]
+    out = [max(1, int(x)) for x in exact]
+    while sum(out) < total:  # the largest remainders first
+        out[max(range(n), key=lambda i: (exact[i] - out[i], -i))] += 1
+    while sum(out) > total:  # a replica raised to one: taken from those most above their exact share
+        out[max((i for i in range(n) if out[i] > 1), key=lambda i: (out[i] - exact[i], -i))] -= 1
+    return out
+
+
 def shares_by_throughput(throughputs: Sequence[float], total: int, stages: int = 1) -> List[int]:
     """`pdv.data_shares: "by_throughput"`: the best split for replicas of the given relative speeds."""
     return best_shares([1.0 / s for s in throughputs], total, stages)

@@ -101,3 +101,18 @@ def test_set_shares_checks_its_input():
     it = _replicas(10, 2, 2)[0]
     with pytest.raises(ValueError, match="need 2 counts"):
         it.set_shares([1, 1, 1])
+
+
+def test_rescale_shares_keeps_the_proportions_and_one_each():
+    from pdv_ext.policy.shares import rescale_shares
+
+    assert rescale_shares([1, 3], 8) == [2, 6]
+    assert rescale_shares([5, 5, 5, 1], 32) == [10, 10, 10, 2]
+    assert rescale_shares([10, 10, 10, 2], 16) == [5, 5, 5, 1]
+    assert rescale_shares([1, 7], 4) == [1, 3]  # the slow replica keeps one
+    assert rescale_shares([1, 1, 6], 3) == [1, 1, 1]
+    for shares, total in [([3, 2, 2], 11), ([1, 1, 1, 9], 5), ([4, 1], 9)]:
+        out = rescale_shares(shares, total)
+        assert sum(out) == total and min(out) >= 1
+    with pytest.raises(ValueError, match="cannot give each of 3 replicas one"):
+        rescale_shares([1, 1, 1], 2)

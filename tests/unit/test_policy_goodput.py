@@ -1,0 +1,113 @@
+"""The `goodput` batch policy (issue #36) on simulated steps: step times from a throughput curve, a noise scale
+that changes over the run. Each test fails when the behaviour it names is removed."""
+import copy
+
+import pytest
+
+from pdv_ext.policy.base import Change, SetBatchSize, build_policy
+
+
+def run(pol, steps, step_time, gns, mb=1, mbs=4, dp=2, start=1, on_step=None):
+    """Drive `pol` as the runner would: its batch changes applied and announced. Returns the batch per step."""
+    batches = []
+    for step in range(start, start + steps):
+        batch = mb * mbs * dp
+        batches.append(batch)
+        m = {"step": step, "batch_size": batch, "micro_batches": mb, "micro_batch_size": mbs, "dp_size": dp,
+             "step_time": step_time(batch), "gns": gns(step)}
+        for a in pol.after_step(m):
+            assert isinstance(a, SetBatchSize)
+            mb, mbs = a.micro_batches, a.micro_batch_size
+            pol.on_change(Change(kind="batch_size", step=step, source="goodput", micro_batches=mb,
+                                 micro_batch_size=mbs, dp_size=dp))
+        if on_step:
+            on_step(step, pol)
+    return batches
+
+
+def pipeline(batch):  # a large fixed part: the batch decides the speed (0.2 s + 2 ms a sample)
+    return 0.2 + 0.002 * batch
+
+
+def compute_bound(batch):  # no fixed part: a bigger batch buys no throughput
+    return 0.004 * batch
+
+
+def test_grows_as_the_noise_scale_grows_and_logs_each_decision(caplog):
+    pol = build_policy({"name": "goodput", "max_batch_size": 256, "warmup_steps": 10, "interval": 10})
+    with caplog.at_level("INFO", logger="pdv_ext"):
+        batches = run(pol, 400, pipeline, lambda s: 5.0 + s)  # 5 -> 405 samples
+    assert batches[0] == 8 and batches[-1] >= 128, batches[::20]
+
+    def true_goodput(b, s):
+        g = 5.0 + s
+        return b / pipeline(b) * (g + 8) / (g + b)
+
+    # outside its probes, the batch it runs at is within 10% of the best power of two's goodput (the
+    # optimum moves from ~16 samples to ~280 over the run)
+    probing = {s for d in pol.decisions if d["kind"] == "probe" for s in range(d["step"] + 1, d["step"] + 6)}
+    for s, b in enumerate(batches, start=1):
+        if s > 20 and s not in probing:
+            best = max(true_goodput(2 ** k, s) for k in range(3, 9))
+            assert true_goodput(b, s) >= 0.9 * best, (s, b, best)
+    assert any(d["kind"] == "probe" for d in pol.decisions)
+    assert any(d["kind"] == "move" and d["how"] == "measured" for d in pol.decisions)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("goodput:")]
+    assert len(lines) == len(pol.decisions) > 0
+    assert all("samples/s" in x and "efficiency" in x and "->" in x for x in lines), lines[:3]
+
+
+def test_a_probe_that_does_not_pay_goes_back_at_once():
+    pol = build_policy({"name": "goodput", "warmup_steps": 10, "interval": 10, "measure_steps": 3})
+    batches = run(pol, 200, compute_bound, lambda s: 40.0)
+    probes = [d for d in pol.decisions if d["kind"] == "probe"]
+    assert probes, pol.decisions
+    back = [d for d in pol.decisions if d["kind"] == "move"]
+    # every probe is followed by the move back to where it came from
+    assert len(back) == len(probes) and all(b["to"] == p["from"] for p, b in zip(probes, back))
+    assert batches[-1] == 8
+    # measured once, the larger batch is not probed again until its measurement is stale (300 steps)
+    assert len(probes) == 1
+
+
+def test_shrinks_when_the_noise_scale_falls():
+    pol = build_policy({"name": "goodput", "warmup_steps": 10, "interval": 10, "min_batch_size": 8})
+    batches = run(pol, 300, pipeline, lambda s: 400.0 if s < 150 else 2.0)
+    assert max(batches[:150]) >= 64
+    assert batches[-1] < max(batches[:150]) and batches[-1] <= 16, batches[140::10]
+
+
+def test_never_leaves_the_bounds():
+    pol = build_policy({"name": "goodput", "warmup_steps": 5, "interval": 5, "min_batch_size": 16,
+                        "max_batch_size": 64})
+    batches = run(pol, 300, pipeline, lambda s: 1e4, mb=2)
+    assert min(batches) >= 16 and max(batches) <= 64 and batches[-1] == 64
+
+
+def test_another_policy_s_change_of_shares_or_plan_forgets_the_throughputs():
+    pol = build_policy({"name": "goodput", "warmup_steps": 10, "interval": 10})
+    run(pol, 60, pipeline, lambda s: 100.0)
+    assert pol.measured
+    pol.on_change(Change(kind="shares", step=60, source="rebalance", shares=(3, 1), micro_batches=2, dp_size=2))
+    assert pol.measured == {} and pol.probe is None and pol.last_change == 60
+    pol.on_change(Change(kind="lr", step=61, source="x"))
+    assert pol.last_change == 60  # an LR change leaves the timings alone
+
+
+def test_state_round_trips_mid_run():
+    pol = build_policy({"name": "goodput", "warmup_steps": 10, "interval": 10})
+    run(pol, 95, pipeline, lambda s: 5.0 + s)
+    twin = build_policy({"name": "goodput", "warmup_steps": 10, "interval": 10})
+    twin.load_state_dict(copy.deepcopy(pol.state_dict()))
+    assert twin.state_dict() == pol.state_dict()
+    mb = pol.decisions[-1]["to"] // 8 if pol.decisions else 1
+    a = run(pol, 100, pipeline, lambda s: 5.0 + s, mb=mb, start=96)
+    b = run(twin, 100, pipeline, lambda s: 5.0 + s, mb=mb, start=96)
+    assert a == b and pol.decisions == twin.decisions
+
+
+def test_bounds_that_make_no_sense_are_one_clear_error():
+    with pytest.raises(Exception, match="max_batch_size 8 is below min_batch_size 16"):
+        build_policy({"name": "goodput", "min_batch_size": 16, "max_batch_size": 8})
+    with pytest.raises(Exception, match="factor"):
+        build_policy({"name": "goodput", "factor": 1.0})
