@@ -247,31 +247,44 @@ def plot_faults(result_path: str, out: str, smooth: int = 3) -> List[str]:
 
 def plot_batch(result_path: str, out: str) -> List[str]:
     """A batch regime of `pdv bench adaptive --scenario`: each run's held-out loss over its training seconds
-    (the target as a line: the first run to cross it wins), and below, the micro-batches per replica each
-    run used over time (a schedule's or the adaptive run's changes). The middle round of each run. Returns
-    the runs drawn."""
+    (the target as a line: the first run to cross it wins); below, over the same seconds, the micro-batches
+    per replica each run used (a schedule's or the adaptive run's changes), its samples/s between
+    evaluations, and the noise scale where a policy measured it (the adaptive run). The middle round of each
+    run. Returns the runs drawn."""
     import json
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     with open(result_path, encoding="utf-8") as f:
         res = json.load(f)
     traces = res.get("traces") or {}
     if not traces:
         raise ValueError(f"{result_path}: no traces (expected the JSON `pdv bench adaptive --scenario` writes)")
-    fig, (ax, bx) = plt.subplots(2, 1, figsize=(10, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.2]})
+    middle = {label: rounds[len(rounds) // 2] for label, rounds in traces.items() if rounds and rounds[len(rounds) // 2]}
+    noisy = any(len(r) > 5 and r[5] is not None for rows in middle.values() for r in rows)
+    ratios = [3, 1.2, 1.4] + ([1.2] if noisy else [])
+    fig, axes = plt.subplots(len(ratios), 1, figsize=(10, 9 if noisy else 8), sharex=True,
+                             gridspec_kw={"height_ratios": ratios})
+    ax, bx, sx = axes[:3]
     drawn = []
-    for label, rounds in traces.items():
-        rows = rounds[len(rounds) // 2] if rounds else []
-        if not rows:
-            continue
+    for label, rows in middle.items():
         secs = [r[2] for r in rows]
         style = "-" if label.startswith("fixed") else ("--" if label.startswith("schedule") else "-.")
         line, = ax.plot(secs, [r[3] for r in rows], style, label=label, linewidth=1.4)
-        bx.step(secs, [r[4] for r in rows], where="post", color=line.get_color(), linestyle=style, linewidth=1.2)
+        color = line.get_color()
+        bx.step(secs, [r[4] for r in rows], where="post", color=color, linestyle=style, linewidth=1.2)
+        # samples/s between consecutive evaluations (the first from the start)
+        prev = [(0, 0.0)] + [(r[1], r[2]) for r in rows[:-1]]
+        rate = [(r[1] - p[0]) / (r[2] - p[1]) if r[2] > p[1] else float("nan") for r, p in zip(rows, prev)]
+        sx.step(secs, rate, where="pre", color=color, linestyle=style, linewidth=1.0)
+        if noisy:
+            g = [(r[2], r[5]) for r in rows if len(r) > 5 and r[5] is not None]
+            if g:
+                axes[3].plot([x for x, _ in g], [y for _, y in g], style, color=color, linewidth=1.2, label=label)
         drawn.append(label)
     ax.axhline(res["target_loss"], color="black", linewidth=0.8, linestyle=":")
     ax.text(0.99, res["target_loss"], f" target {res['target_loss']}", transform=ax.get_yaxis_transform(),
@@ -279,20 +292,25 @@ def plot_batch(result_path: str, out: str) -> List[str]:
     ax.set_ylabel("held-out loss (nats/byte)")
     lo = res["target_loss"]
     ax.set_ylim(lo - 0.15, lo + 0.9)
-    head = f"{res.get('scenario', '')}: time to held-out {res['target_loss']}"
+    head = f"{res.get('scenario', '')}: time to held-out {res['target_loss']}\n"
     if res.get("best_fixed"):
-        head += f"; best fixed {res['best_fixed']['micro_batches']} micro-batches {res['best_fixed']['seconds_to_target']:.1f} s"
+        head += f"best fixed {res['best_fixed']['micro_batches']} micro-batches {res['best_fixed']['seconds_to_target']:.1f} s"
     if res.get("headroom") is not None:
         head += f"; best schedule {res['schedule_vs_best_fixed']:.2f}x (headroom {res['headroom']:.0%})"
+    if res.get("ratio") is not None:
+        head += f"; adaptive {res['ratio']:.2f}x"
     ax.set_title(head, fontsize=10)
     ax.legend(fontsize=8, ncol=2)
     bx.set_yscale("log", base=2)
-    from matplotlib.ticker import FuncFormatter, NullFormatter
-
     bx.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     bx.yaxis.set_minor_formatter(NullFormatter())
     bx.set_ylabel("micro-batches\nper replica")
-    bx.set_xlabel("training seconds (held-out evaluations not counted)")
+    sx.set_ylabel("samples/s")
+    sx.set_ylim(bottom=0)
+    if noisy:
+        axes[3].set_ylabel("noise scale\n(samples)")
+        axes[3].set_yscale("log")
+    axes[-1].set_xlabel("training seconds (held-out evaluations not counted)")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -32,7 +32,8 @@ JSON: `fixed` and `schedules` (each: micro_batches / schedule, global batch, `re
 `best_schedule`, `schedule_vs_best_fixed` (the best schedule's seconds over the best fixed batch's) and
 `headroom` (1 - that: under 0.15 the regime is the wrong one for batch adaptation), and with `adaptive`:
 `adaptive` and `ratio` (its seconds over the best fixed batch's). Each run's trace (step, samples, seconds,
-held-out loss, micro-batches) goes to `build/bench-adaptive/<scenario>.json`.
+held-out loss, micro-batches, the noise scale where a policy's Monitor measures it) goes to
+`build/bench-adaptive/<scenario>.json`.
 """
 from __future__ import annotations
 
@@ -232,7 +233,10 @@ def rank_main(args: Dict[str, Any]) -> int:
             while next_eval <= samples:
                 next_eval += every
             loss = held_out_loss()
-            trace.append([step, samples, round(seconds, 4), round(loss, 5), batch // (mbs * run.data)])
+            monitor = getattr(engine.pdv_policy, "monitor", None)  # the noise scale, where a policy measures it
+            gns = monitor.gns.gns if monitor is not None else None
+            trace.append([step, samples, round(seconds, 4), round(loss, 5), batch // (mbs * run.data),
+                          None if gns is None else round(float(gns), 2)])
             if loss <= target:
                 reached = trace[-1]
                 break

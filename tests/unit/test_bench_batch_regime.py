@@ -135,6 +135,11 @@ def test_plot_batch_draws_every_run(tmp_path):
     out = tmp_path / "r.png"
     assert plot.main(["batch", str(path), "--out", str(out)]) == 0
     assert out.stat().st_size > 10_000
+    # with an adaptive run's noise scale (the trace's sixth column): a fourth panel
+    res["traces"]["adaptive"] = [[[10, 80, 1.0, 2.5, 1, None], [20, 240, 2.0, 1.95, 2, 12.5],
+                                  [25, 400, 2.6, 1.85, 4, 30.0]]]
+    path.write_text(json.dumps(res))
+    assert plot.plot_batch(str(path), str(out)) == ["fixed-1", "schedule-1,10:4", "adaptive"]
     path.write_text(json.dumps({"target_loss": 1.9}))
     assert plot.main(["batch", str(path), "--out", str(out)]) == 2  # not a batch result: one line, no trace
 
