@@ -14,6 +14,7 @@ A batch scenario (`launch/scenarios/batch_*.yaml`):
     batch:
       reference: 1            # micro-batches per replica that run.lr is tuned for
       lr_rule: sqrt           # the LR at b micro-batches: lr x rule(b / reference), also on every change
+      schedule_lr_rule: none  # optional: the rule at a schedule's changes instead (none: the start's LR kept)
       fixed: [1, 2, 4, 8, 16] # micro-batches per replica of the fixed runs (global batch: b x micro_batch x data)
       schedules: ["1,150:4"]  # hand-written in hindsight: start, then STEP:MICRO_BATCHES after that step
       adaptive: {...}         # optional: `pdv.policy` of an adaptive run starting at the smallest fixed batch
@@ -77,6 +78,10 @@ class BatchPlan(StrictModel):
 
     reference: int = Field(1, ge=1)
     lr_rule: Literal["none", "linear", "sqrt"] = "sqrt"
+    #: the LR rule at a schedule's changes (default: `lr_rule`). `none` keeps the start's LR while the batch
+    #: grows: with Adam that lowers the noise as a decaying LR would (Seesaw's equivalence), an effect a
+    #: fixed batch at a constant LR does not get
+    schedule_lr_rule: Optional[Literal["none", "linear", "sqrt"]] = None
     fixed: List[int] = Field(min_length=1)
     schedules: List[str] = []
     adaptive: Optional[Dict[str, Any]] = None
@@ -271,7 +276,8 @@ def _run(sc: BatchScenario, spec, run: Dict[str, Any], workdir: str) -> Dict[str
     plan = sc.batch
     lr = sc.run.lr * lr_factor(plan.lr_rule, run["micro_batches"] / plan.reference)
     args = {"run": sc.run.model_dump(), "micro_batches": run["micro_batches"], "lr": lr,
-            "policy": _policy(run, plan.lr_rule), "target_loss": plan.target_loss, "max_samples": plan.max_samples,
+            "policy": _policy(run, plan.schedule_lr_rule or plan.lr_rule), "target_loss": plan.target_loss,
+            "max_samples": plan.max_samples,
             "eval_every": plan.eval_every, "out": out}
     args_path = os.path.join(workdir, "args.json")
     with open(args_path, "w", encoding="utf-8") as f:
@@ -315,7 +321,8 @@ def figures(sc: BatchScenario, runs: List[Dict[str, Any]], results: Dict[str, Li
     fixed = [rows[r["label"]] for r in runs if r["kind"] == "fixed"]
     scheds = [rows[r["label"]] for r in runs if r["kind"] == "schedule"]
     out: Dict[str, Any] = {"target_loss": sc.batch.target_loss, "max_samples": sc.batch.max_samples,
-                           "lr_rule": sc.batch.lr_rule, "repeats": sc.batch.repeats, "fixed": fixed,
+                           "lr_rule": sc.batch.lr_rule,
+                           "schedule_lr_rule": sc.batch.schedule_lr_rule or sc.batch.lr_rule, "repeats": sc.batch.repeats, "fixed": fixed,
                            "schedules": scheds}
     ok = [f for f in fixed if f["reached"]]
     if not fixed:  # `--only` left the fixed runs out: nothing to compare with

@@ -150,3 +150,18 @@ def test_a_job_without_fixed_runs_reports_no_ratio_and_no_error():
     out = br.figures(sc, runs, {"adaptive": _rounds(18)})
     assert "error" not in out and "ratio" not in out and "no fixed batch was run" in out["note"]
     assert out["adaptive"]["seconds_to_target"] == 18
+
+
+def test_schedule_lr_rule_applies_to_the_schedules_changes_only(tmp_path):
+    sc, _ = br.load(_write(tmp_path, _scenario("{fixed: [2], schedules: ['2,5:8'], target_loss: 2, max_samples: "
+                                               "100, schedule_lr_rule: none}")))
+    fixed, sched = br.runs_of(sc)
+    assert br._policy(fixed, sc.batch.schedule_lr_rule or sc.batch.lr_rule) is None
+    pol = br._policy(sched, sc.batch.schedule_lr_rule or sc.batch.lr_rule)
+    assert pol["lr_scaling"] == "none" and pol["plugins"][0]["changes"] == [{"step": 5, "micro_batches": 8,
+                                                                               "lr_rule": "none"}]
+    out = br.figures(sc, [fixed], {"fixed-2": _rounds(10)})
+    assert (out["lr_rule"], out["schedule_lr_rule"]) == ("sqrt", "none")
+    with pytest.raises(ConfigError, match="batch.schedule_lr_rule"):
+        br.load(_write(tmp_path, _scenario("{fixed: [2], target_loss: 2, max_samples: 100, "
+                                           "schedule_lr_rule: cubic}")))
