@@ -32,7 +32,10 @@ JSON: `fixed` and `schedules` (each: micro_batches / schedule, global batch, `re
 `samples_to_target`, `steps_to_target`, `samples_per_s`, `final_loss`, all rounds' seconds), `best_fixed`,
 `best_schedule`, `schedule_vs_best_fixed` (the best schedule's seconds over the best fixed batch's) and
 `headroom` (1 - that: under 0.15 the regime is the wrong one for batch adaptation), and with `adaptive`:
-`adaptive` and `ratio` (its seconds over the best fixed batch's). Each run's trace (step, samples, seconds,
+`adaptive` and `ratio` (its seconds over the best fixed batch's); a run with a noise scale in its trace
+(the adaptive one) has `noise_scale`: its first and last readings and `headroom_bound`, the most any batch
+schedule could gain over the best fixed batch with a noise scale that spreads as this one did
+(`pdv_ext.policy.gns.adaptation_headroom`). Each run's trace (step, samples, seconds,
 held-out loss, micro-batches, the noise scale where a policy's Monitor measures it) goes to
 `build/bench-adaptive/<scenario>.json`.
 """
@@ -312,7 +315,30 @@ def summarize(run: Dict[str, Any], rounds: List[Dict[str, Any]], sc: BatchScenar
                        f"{sum(not r['reached'] for r in rounds)} of {len(rounds)} rounds")
     if run["kind"] == "adaptive":
         out["decisions"] = rounds[len(rounds) // 2]["decisions"]
+    noise = noise_scale_figures(rounds[len(rounds) // 2].get("trace") or [])
+    if noise:
+        out["noise_scale"] = noise
     return out
+
+
+def noise_scale_figures(trace: List[List[Any]]) -> Optional[Dict[str, Any]]:
+    """From a trace whose rows carry the noise scale (a run with a policy's Monitor): its first and last
+    readings and the most any batch schedule could gain over the best fixed batch with a noise scale that
+    spreads as this one did (`pdv_ext.policy.gns.adaptation_headroom`: a regime is worth adapting in only if
+    that reaches the 15% the issue asks of the headroom)."""
+    from ..policy.gns import adaptation_headroom
+
+    rows = [(r[1], r[5]) for r in trace if len(r) > 5]
+    pts, prev = [], 0
+    for samples, gns in rows:
+        if gns is not None and gns > 0:
+            pts.append((gns, samples - prev))
+        prev = samples
+    if not pts:
+        return None
+    bound = adaptation_headroom([g for g, _ in pts], [w for _, w in pts])
+    return {"first": pts[0][0], "last": pts[-1][0], "headroom_bound": round(bound["max_headroom"], 4),
+            "knee_samples": round(bound["knee"], 1)}
 
 
 def figures(sc: BatchScenario, runs: List[Dict[str, Any]], results: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Any]:

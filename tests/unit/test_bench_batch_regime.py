@@ -165,3 +165,19 @@ def test_schedule_lr_rule_applies_to_the_schedules_changes_only(tmp_path):
     with pytest.raises(ConfigError, match="batch.schedule_lr_rule"):
         br.load(_write(tmp_path, _scenario("{fixed: [2], target_loss: 2, max_samples: 100, "
                                            "schedule_lr_rule: cubic}")))
+
+
+def test_a_run_with_noise_scales_reports_the_headroom_they_allow():
+    trace = [[10, 100, 1.0, 2.5, 1, None], [20, 200, 2.0, 2.2, 1, 10.0], [40, 600, 4.0, 2.0, 2, 100.0]]
+    noise = br.noise_scale_figures(trace)
+    from pdv_ext.policy.gns import adaptation_headroom
+
+    want = adaptation_headroom([10.0, 100.0], [100, 400])
+    assert noise == {"first": 10.0, "last": 100.0, "headroom_bound": round(want["max_headroom"], 4),
+                     "knee_samples": round(want["knee"], 1)}
+    assert br.noise_scale_figures([r[:5] for r in trace]) is None  # a fixed run: no Monitor, no noise scale
+    sc = _sc({"plugins": [{"name": "goodput"}]})
+    runs = [r for r in br.runs_of(sc) if r["kind"] == "adaptive"]
+    rounds = _rounds(18)
+    rounds[0]["trace"] = trace
+    assert br.figures(sc, runs, {"adaptive": rounds})["adaptive"]["noise_scale"] == noise
