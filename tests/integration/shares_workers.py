@@ -361,3 +361,37 @@ def adaptive_system(ckpt_dir: str, cluster: str, profile: str) -> Dict[str, Any]
                      "changes": [(c.kind, c.step, c.source) for c in runner.changes], "plan": replan.plan,
                      "where": _where(eng), "decisions": replan.decisions, "errors": runner.errors}
     return out
+
+
+def goodput_with_shares(steps: int = 12, seed: int = 7) -> Dict[str, Any]:
+    """Pipe 2 x data 2 with unequal shares from the config ([3, 1] of 4 micro-batches) and the `goodput` batch
+    policy deciding on every step: what the batch, the shares and the data positions were at each step."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.pipe import PipelineModule
+
+    import pdv_ext
+    from pdv_ext.models import mlp_layers, seed_layer
+    from pdv_ext.policy.data import ElasticBatches
+
+    from tests.integration.engine_mode_workers import mode_config
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(seed)
+    model = PipelineModule(layers=mlp_layers(4, 16, D_IN, D_OUT), num_stages=2, loss_fn=torch.nn.CrossEntropyLoss(),
+                           seed_layers=True, seed_fn=seed_layer, base_seed=seed, partition_method="uniform")
+    cfg = mode_config("fp32", 4, 2, 2, 1e-2, "AdamW")
+    cfg["pdv"] = {"data_shares": [3, 1], "policy": {
+        "on_error": "raise", "monitor": {"ema": 0.5},
+        "plugins": [{"name": "goodput", "warmup_steps": 2, "interval": 1, "measure_steps": 1, "min_gain": 0.0,
+                     "min_batch_size": 16, "max_batch_size": 64}]}}
+    eng = pdv_ext.initialize(model=model, config=cfg, model_parameters=[p for p in model.parameters()])[0]
+    data = ElasticBatches.for_engine(eng, _dataset(), seed=seed, record=True)
+    batches, shares = {}, {}
+    for step in range(steps):
+        batches[step + 1] = int(eng.train_batch_size())
+        eng.train_batch(data_iter=data)
+        shares[step + 1] = None if eng.data_shares is None else list(eng.data_shares)
+    runner = eng.pdv_policy.runner
+    return {"rank": dist.get_rank(), "stage": eng.stage_id, "batches": batches, "shares": shares,
+            "log": runner.action_log, "seen": list(data.seen), "position": data.position}

@@ -157,3 +157,25 @@ def test_unequal_shares_are_refused_where_deepspeed_sums_micro_batch_gradients()
     with pytest.raises(RankFailed, match=r"unequal shares \[5, 1\] need DeepSpeed >= 0.19.3"):
         run_ranks("tests.integration.shares_workers:train_shares", 4,
                   dict(mode="fp32", runs=[{"label": "config", "config_shares": [5, 1]}], steps=1), timeout=280)
+
+
+@needs_micro_batch_means
+@pytest.mark.timeout(300)
+def test_goodput_changes_the_batch_and_the_shares_follow_in_proportion():
+    """#36: the `goodput` policy on a real engine with unequal shares in force: its batch changes are agreed on
+    every rank, each logged with the measured samples/s and the efficiency, the split keeps its proportions
+    through them (3:1 of 4 micro-batches is 6:2 of 8), and no sample is lost or read twice."""
+    res = run_ranks("tests.integration.shares_workers:goodput_with_shares", 4, {}, timeout=280)
+    log = res[0]["log"]
+    assert all(r["log"] == log and r["batches"] == res[0]["batches"] and r["shares"] == res[0]["shares"] for r in res)
+    changes = [(step, a) for step, a in log if a["action"] == "SetBatchSize"]
+    assert changes, f"goodput took no decision in 12 steps: {log}"
+    assert all(a["source"] == "goodput" and "samples/s" in a["reason"] and "efficiency" in a["reason"]
+               for _, a in changes)
+    batches, shares = res[0]["batches"], res[0]["shares"]
+    for step, _ in changes:
+        if step + 1 in batches:
+            mb = batches[step + 1] // 8  # micro-batches per replica (4 samples each, 2 replicas)
+            assert shares[step + 1] == [3 * mb // 2, mb // 2], (step, batches, shares)
+    seen = sorted(p for r in res if r["stage"] == 0 for p in r["seen"])
+    assert seen == list(range(sum(batches.values()))) == list(range(res[0]["position"]))
