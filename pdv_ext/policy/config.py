@@ -28,6 +28,11 @@ class MonitorConfig(StrictModel):
     tensorboard: bool = True
     #: estimate the gradient noise scale (two sums of squares over the gradients per step)
     gns: bool = True
+    #: the noise scale of Adam's preconditioned gradients (each element over the square root of the optimizer's
+    #: second moment, as Pollux estimates it for Adam): what an Adam step sees, not plain SGD's. Where the
+    #: optimizer keeps `exp_avg_sq` per parameter (torch Adam / AdamW, fp32 without ZeRO); elsewhere the plain
+    #: noise scale (with a warning). The first step (no second moment yet) gives no reading.
+    gns_preconditioned: bool = False
     #: EMA smoothing factor of the GNS estimates (weight of the past)
     ema: float = 0.95
     #: flush metrics.csv every N steps

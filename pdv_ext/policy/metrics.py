@@ -119,6 +119,11 @@ class Monitor:
         (complete by then: the step's end waits for the device, see `sync`)."""
         self._spans.append((start, end))
 
+    @property
+    def norms_now(self) -> bool:
+        """Whether this step's gradient norms are measured (the noise scale on, the window's last step)."""
+        return bool(self._norms_now)
+
     def add_local_grads(self, grads: Sequence[torch.Tensor]) -> None:
         if self._norms_now:
             s = sum_of_squares(grads)

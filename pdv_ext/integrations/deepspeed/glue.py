@@ -102,17 +102,76 @@ class EngineApplier(ApplierBase):
 
 
 class _MonitorHook:
-    """GradHook: |g|² of the local gradients before aggregation and of the aggregated ones after."""
+    """GradHook: |g|² of the local gradients before aggregation and of the aggregated ones after (with
+    `monitor.gns_preconditioned`, of both scaled element-wise by Adam's 1 / (sqrt(v) + eps))."""
 
     def __init__(self, monitor: Monitor):
         self.monitor = monitor
+        self._scales: Optional[List[Optional[torch.Tensor]]] = None
+        self._skip = False
+        self._warned = False
 
     def before(self, engine: Any, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        self._scales = None
+        self._skip = False
+        if self.monitor.config.gns_preconditioned and self.monitor.norms_now:
+            opt = getattr(engine, "optimizer", None)
+            self._scales = adam_scales(opt, grads)
+            if self._scales is not None:
+                self.monitor.add_local_grads(_scaled(grads, self._scales))
+                return grads
+            if not getattr(opt, "state", None):  # before the optimizer's first step: no second moment yet
+                self._skip = True
+                return grads
+            if not self._warned:  # another optimizer, or a mode whose buffers are not the parameters' .grad
+                self._warned = True
+                warnings.warn("pdv.policy.monitor.gns_preconditioned: the optimizer keeps no Adam second moment "
+                              "for these gradients (torch Adam / AdamW in fp32 without ZeRO only): the plain "
+                              "noise scale is measured")
         self.monitor.add_local_grads(grads)
         return grads
 
     def after(self, engine: Any, grads: List[torch.Tensor]) -> None:
+        if self._skip:
+            return
+        if self._scales is not None and len(self._scales) == len(grads):  # the same tensors, in order
+            self.monitor.add_aggregated_grads(_scaled(grads, self._scales))
+            return
         self.monitor.add_aggregated_grads(grads)
+
+
+def adam_scales(optimizer: Any, grads: List[torch.Tensor]) -> Optional[List[Optional[torch.Tensor]]]:
+    """1 / (sqrt(v / (1 - beta2^t)) + eps) for each gradient of `grads` whose parameter has Adam's second moment
+    `v` in `optimizer` (matched by the gradient's storage: in fp32 without ZeRO the engine hands the hooks the
+    parameters' own .grad); None unless every non-empty gradient has one (a partial preconditioning would mix
+    two norms)."""
+    if optimizer is None or not hasattr(optimizer, "param_groups"):
+        return None
+    state = getattr(optimizer, "state", {})
+    by_storage: Dict[int, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        eps, beta2 = float(group.get("eps", 1e-8)), float(group.get("betas", (0.9, 0.999))[1])
+        for p in group["params"]:
+            st = state.get(p) if p.grad is not None else None
+            v = st.get("exp_avg_sq") if st else None
+            if v is None or v.shape != p.grad.shape:
+                continue
+            step = float(st.get("step", 1))
+            by_storage[p.grad.data_ptr()] = ((v / (1 - beta2 ** max(step, 1.0))).sqrt() + eps).reciprocal()
+    out: List[Optional[torch.Tensor]] = []
+    for g in grads:
+        if g is None or not g.numel():
+            out.append(None)
+            continue
+        s = by_storage.get(g.data_ptr())
+        if s is None:
+            return None
+        out.append(s)
+    return out
+
+
+def _scaled(grads: List[torch.Tensor], scales: List[Optional[torch.Tensor]]) -> List[torch.Tensor]:
+    return [g if s is None else g * s.to(g.dtype) for g, s in zip(grads, scales) if g is not None]
 
 
 def _timed(fn: Any, monitor: Monitor, cuda: bool = False) -> Any:
