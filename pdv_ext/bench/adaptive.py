@@ -195,8 +195,10 @@ def rank_main(**args: Any) -> Dict[str, Any]:
             eng = _engine(args, batch // dp, lr, [{"name": "schedule", "changes": changes}], monitor=False,
                           every=args["interval"])
         else:  # the policy's defaults, but for the limits of this run
-            plugins = [{"name": "gns_batch_size", "max_batch_size": args["batches"][-1], "grow": "micro_batch_size",
-                        "lr_rule": args["lr_rule"], **args["policy"]}]
+            name = args.get("policy_name", "gns_batch_size")
+            bounds = {"min_batch_size": args["batches"][0]} if name == "goodput" else {}
+            plugins = [{"name": name, "max_batch_size": args["batches"][-1], "grow": "micro_batch_size",
+                        "lr_rule": args["lr_rule"], **bounds, **args["policy"]}]
             eng = _engine(args, batch // dp, lr, plugins, monitor=True, every=args["interval"])
         res = _to_target(args, eng, data_for(eng), xt, yt)
         if dist.get_rank() == 0:
@@ -288,6 +290,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=1500)
     ap.add_argument("--overhead-only", action="store_true", help="only measure the monitor overhead")
     ap.add_argument("--only", default="", help="comma-separated subset of the runs, e.g. 'adaptive' or '64,adaptive'")
+    ap.add_argument("--policy", default="gns_batch_size", choices=["gns_batch_size", "goodput"],
+                    help="the batch policy of the adaptive run (its defaults, bounded by the fixed batches)")
     ap.add_argument("--schedule", action="append", default=[], metavar="B0,STEP:B1,...",
                     help="also run a hand-written batch schedule, e.g. '16,150:256' (16, then 256 after step 150; "
                          "LR by --lr-rule at each change): what a schedule chosen in hindsight achieves (repeatable)")
@@ -310,7 +314,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = {"batches": sorted(a.batches), "target": a.target, "lr": a.lr, "lr_rule": a.lr_rule, "hidden": a.hidden,
             "layers": a.layers, "heads": a.heads, "seq_len": a.seq_len, "held_out": a.held_out,
             "eval_every": a.eval_every, "max_samples": a.max_samples, "seed": a.seed,
-            "policy": {},  # gns_batch_size's defaults (interval 10, warmup 20, min_gain 0.05, ...)
+            "policy": {},  # the policy's defaults (interval 10, warmup 20, min_gain 0.05, ...)
+            "policy_name": a.policy,
             "interval": 10, "overhead_blocks": 12, "overhead_steps": 10, "overhead_only": a.overhead_only,
             "only": a.only, "schedules": schedules}
     if a.quick:
@@ -342,6 +347,6 @@ def main(argv: Optional[List[str]] = None) -> int:
               "best_fixed_batch": best["batch"] if best else None,
               "schedules": [{**x, "ratio": (x["seconds_to_target"] / best["seconds_to_target"])
                              if (best and x["seconds_to_target"]) else None} for x in res.get("schedules", [])],
-              "target_loss": args["target"], "ranks": a.ranks}
+              "target_loss": args["target"], "ranks": a.ranks, "policy": a.policy}
     emit(result, a.json)
     return 0
