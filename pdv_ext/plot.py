@@ -310,6 +310,8 @@ def plot_batch(result_path: str, out: str) -> List[str]:
     if noisy:
         axes[3].set_ylabel("noise scale\n(samples)")
         axes[3].set_yscale("log")
+        axes[3].yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axes[3].yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if str(v)[0] in "25" else ""))
     axes[-1].set_xlabel("training seconds (held-out evaluations not counted)")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
