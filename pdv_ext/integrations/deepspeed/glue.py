@@ -156,8 +156,12 @@ def adam_scales(optimizer: Any, grads: List[torch.Tensor]) -> Optional[List[Opti
             v = st.get("exp_avg_sq") if st else None
             if v is None or v.shape != p.grad.shape:
                 continue
-            step = float(st.get("step", 1))
-            by_storage[p.grad.data_ptr()] = ((v / (1 - beta2 ** max(step, 1.0))).sqrt() + eps).reciprocal()
+            step = st.get("step", 1)
+            if torch.is_tensor(step) and step.device.type != "cpu":  # fused / capturable Adam: kept on the device
+                step = step.to(dtype=v.dtype).clamp(min=1)
+            else:
+                step = max(float(step), 1.0)
+            by_storage[p.grad.data_ptr()] = ((v / (1 - beta2 ** step)).sqrt() + eps).reciprocal()
     out: List[Optional[torch.Tensor]] = []
     for g in grads:
         if g is None or not g.numel():
