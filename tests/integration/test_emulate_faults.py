@@ -67,7 +67,11 @@ def test_host_lost_and_back(tmp_path):
     # pipe 2 x data 2, then pipe 2 x data 1 on host A, then the four again once host B is back
     assert ["dp=2" in e for e in engines] == [True, False, True], engines
     resumed = [int(m.group(1)) for m in (re.search(r"resumed at step (\d+)", ln) for ln in demo) if m]
-    assert len(resumed) == 2 and 4 <= resumed[0] <= 5 and 9 <= resumed[1], demo  # at most one step lost
+    # at most one step lost: against the step count rank 0 had reported when the player applied the event (the
+    # ranks may finish one more step before the kill lands; on a loaded machine the player may apply it a step late)
+    down, up = rows[0]["applied_step"], rows[1]["applied_step"]
+    assert rows[0]["at_step"] <= down and len(resumed) == 2, (rows, demo)
+    assert down - 1 <= resumed[0] <= down + 1 and up - 1 <= resumed[1], (rows, demo)
     assert any("done in" in ln for ln in demo)
     assert "resumed from the in-memory snapshot" in out
 
@@ -81,7 +85,8 @@ def test_device_lost_on_data_parallel(tmp_path):
     engines = [ln for ln in demo if "PDVPipelineEngine" in ln]
     assert ["dp=4" in e for e in engines] == [True, False] and "dp=3" in engines[1], engines
     resumed = [int(m.group(1)) for m in (re.search(r"resumed at step (\d+)", ln) for ln in demo) if m]
-    assert len(resumed) == 1 and 3 <= resumed[0] <= 4, demo
+    down = rows[0]["applied_step"]  # at most one step lost against the progress reported when it was applied
+    assert rows[0]["at_step"] <= down and len(resumed) == 1 and down - 1 <= resumed[0] <= down + 1, (rows, demo)
     assert any("done in" in ln for ln in demo)
 
 
@@ -117,5 +122,6 @@ def test_the_host_of_rank_0_lost(tmp_path):
     assert engines[0].startswith("[a0]") and "dp=2" in engines[0], engines  # rank 0 on host A at the start
     assert engines[1].startswith("[b") and "dp=1" in engines[1], engines  # and on host B after it
     resumed = [int(m.group(1)) for m in (re.search(r"resumed at step (\d+)", ln) for ln in demo) if m]
-    assert len(resumed) == 1 and 3 <= resumed[0] <= 4, demo
+    down = rows[0]["applied_step"]  # at most one step lost against the progress reported when it was applied
+    assert rows[0]["at_step"] <= down and len(resumed) == 1 and down - 1 <= resumed[0] <= down + 1, (rows, demo)
     assert any("done in" in ln for ln in demo)
