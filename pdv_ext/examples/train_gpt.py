@@ -107,8 +107,8 @@ def main() -> None:
         t0 = time.perf_counter()
         loss = float(engine.train_batch(data_iter=train))
         if args.crash_at and step == args.crash_at and attempt == 0 and rank == args.crash_rank:
-            if engine.pdv_snapshots is not None:  # lost right after its snapshot of this step was written
-                engine.pdv_snapshots.wait()
+            if engine.pdv_snapshots is not None:  # lost right after the snapshot of this step is sealed here
+                engine.pdv_snapshots.wait_sealed(step)
             print(f"[demo] rank {rank}: simulated loss of this device after step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)  # no clean-up, no goodbye: as a process on a lost device
         mark_step(step)

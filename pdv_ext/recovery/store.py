@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 import socket
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Set
 
 from ..config_base import ConfigError
 
@@ -122,6 +122,10 @@ class HostStore:
                 except (OSError, ValueError):  # a seal is renamed into place whole; anything else is not one
                     continue
         return out
+
+    def sealed_by(self, step: int) -> Set[int]:
+        """The ranks that sealed files of `step` on this host."""
+        return {int(seal["rank"]) for seal in self._seals(step) if "rank" in seal}
 
     def complete(self) -> Dict[int, Dict[str, object]]:
         """{step: {"files": {name: sha256} sealed and present at their sealed size, "expected": [...]}}."""

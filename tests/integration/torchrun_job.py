@@ -44,7 +44,8 @@ def main() -> None:
             log.flush()
             time.sleep(args.sleep)
             if attempt == 0 and rank == args.crash_rank and eng.global_steps == args.crash_at:
-                eng.pdv_snapshots.wait()  # lost right after its snapshot of this step was written
+                # lost right after the snapshot of this step is sealed on this host (the writers' keepers included)
+                assert eng.pdv_snapshots.wait_sealed(int(eng.global_steps))
                 os._exit(17)  # no clean-up, no goodbye: the device is gone
     eng.discard_snapshots()
 

@@ -32,6 +32,17 @@ def test_a_file_counts_only_sealed_and_whole(tmp_path):
     assert not [n for n in os.listdir(s.folder(1)) if ".tmp" in n]  # no temporary file left behind
 
 
+def test_sealed_by_names_the_ranks_that_sealed_a_step(tmp_path):
+    """What Snapshots.wait_sealed polls: a rank counts once its seal is in place, not while it writes."""
+    s = HostStore(str(tmp_path), "job", "h")
+    assert s.sealed_by(5) == set()
+    _step(s, 5, {"layer_00.pt": b"a"}, rank=0)
+    _step(s, 5, {"layer_01.pt": b"b"}, rank=2, seal=False)  # still writing
+    assert s.sealed_by(5) == {0}
+    _step(s, 5, {"layer_01.pt": b"b"}, rank=2)
+    assert s.sealed_by(5) == {0, 2} and s.sealed_by(6) == set()
+
+
 def test_prune_keeps_the_newest_sealed(tmp_path):
     s = HostStore(str(tmp_path), "job", "h")
     for step in (1, 2, 3):

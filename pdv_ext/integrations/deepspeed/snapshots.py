@@ -229,6 +229,27 @@ class Snapshots:
             err, self._error = self._error, None
             raise RuntimeError(f"pdv.snapshots: the snapshot in the background failed: {err}") from err
 
+    def wait_sealed(self, step: int, timeout: float = 60.0) -> bool:
+        """Finish the snapshot in flight and wait until every rank of this host that writes files of `step`
+        has sealed them: True when they did within `timeout` seconds. For a fault placed right after a
+        snapshot (`--crash-at`, the recovery tests): a rank whose replica writes its stage's files takes no
+        part in the writing and goes on at once, while the writers' keepers may still be at it; a device lost
+        then costs the step (the resume takes the one before, as it should)."""
+        self.wait()
+        plan = self._plan
+        if plan is None:
+            return False
+        sealers = ({r for ws in plan.writers.values() for r in ws} | {d for _, d in plan.buddies.values()}
+                   | plan.meta_writers)
+        here = {r for r in sealers if self.hosts[r] == self.store.host}
+        deadline = time.monotonic() + timeout
+        while True:
+            if here <= self.store.sealed_by(step):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
     def take(self, eng: Any) -> Dict[str, float]:
         """Snapshot the engine's state at its current step (collective). What the state is gets settled here,
         on every rank (a copy of it where the writing runs in the background, `background`: default); the
