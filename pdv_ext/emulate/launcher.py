@@ -12,6 +12,7 @@ the ranks find in `PDV_EVENTS_STEP` (rank 0 writes its finished steps there thro
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -323,14 +324,18 @@ class Emulation:
 
     def run(self) -> int:
         """Set up, run the ranks, tear down. SIGTERM/SIGHUP become SystemExit, SIGINT KeyboardInterrupt;
-        both pass through the `finally` that removes everything."""
+        both pass through the `finally` that removes everything. A signal that arrives while the run is set
+        up and its processes started is held until they all are (it takes well under a second): raised in
+        the middle of `Popen`, it would leave a started rank that the clean-up does not know of."""
         old = {}
-        if threading.current_thread() is threading.main_thread():
+        main = threading.current_thread() is threading.main_thread()
+        if main:
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 old[sig] = signal.signal(sig, _raise_exit)
         try:
-            self.setup()
-            self.launch()
+            with _signals_held(main):
+                self.setup()
+                self.launch()
             return self.wait()
         finally:
             if old:
@@ -348,6 +353,28 @@ class Emulation:
 
 def _raise_exit(signum, frame):
     raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def _signals_held(main: bool):
+    """Hold SIGINT, SIGTERM and SIGHUP for the block and raise the first that came once it is done
+    (KeyboardInterrupt / SystemExit(128 + signal), as outside it). A handler that records, not a blocked
+    signal mask: the processes started inside would inherit the mask and ignore a later SIGTERM."""
+    if not main:
+        yield
+        return
+    came: List[int] = []
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {sig: signal.signal(sig, lambda signum, frame: came.append(signum)) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+    if came:
+        if came[0] == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + came[0])
 
 
 def _owner_file(run_name: str) -> str:
