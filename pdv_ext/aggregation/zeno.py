@@ -108,9 +108,6 @@ class Zeno(RobustAggregator):
         self._v_step = self.step
         self._vsum = None
 
-    def needs_refresh(self) -> bool:
-        return self._v is None or self.step - self._v_step >= self.options.refresh_every
-
     group_limits = {"b": (lambda m: m - 1, "dropping b candidates needs more than b ranks")}
 
     def requested(self, key: str) -> int:
