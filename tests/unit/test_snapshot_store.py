@@ -176,3 +176,26 @@ def test_auto_interval():
     assert auto_interval(0.05, 0.2, 50) == 1  # done well within a step
     assert auto_interval(0.48, 0.21, 50) == 3  # a slow link: 0.6 s with the margin, three steps
     assert auto_interval(100.0, 0.1, 50) == 50  # never more than max_every
+
+
+def test_wait_sealed_waits_for_this_hosts_writers_only_where_a_snapshot_was_taken(tmp_path):
+    """Snapshots.wait_sealed (what `--crash-at` calls before it kills a rank): True once every writer of this host
+    sealed the step, False after the timeout while one has not, False at once for a step with no snapshot."""
+    import time
+    from types import SimpleNamespace
+
+    from pdv_ext.integrations.deepspeed.snapshots import Snapshots
+
+    snaps = Snapshots.__new__(Snapshots)  # the waiting alone: no process group, no engine
+    snaps._thread, snaps._error = None, None
+    snaps.store = HostStore(str(tmp_path), "job", "a")
+    snaps.hosts = ["a", "a", "b", "b"]
+    # stage 0 written by rank 0 (host a) and rank 2 (host b); stage 1 by rank 1 (a); rank 3's copy from rank 1
+    snaps._plan = SimpleNamespace(writers={0: [0, 2], 1: [1]}, buddies={1: (1, 3)}, meta_writers={0, 2})
+    snaps.taken_step = 10
+    t = time.monotonic()
+    assert snaps.wait_sealed(9, timeout=5) is False and time.monotonic() - t < 1  # no snapshot of step 9
+    _step(snaps.store, 10, {"layer_00.pt": b"a"}, rank=0)
+    assert snaps.wait_sealed(10, timeout=0.2) is False  # rank 1 (this host) has not sealed yet
+    _step(snaps.store, 10, {"layer_01.pt": b"b"}, rank=1)
+    assert snaps.wait_sealed(10, timeout=5) is True  # host b's ranks 2 and 3 are not waited for here

@@ -184,6 +184,7 @@ class Snapshots:
         # every: auto: the next snapshot's step, and the interval every rank agreed on at the end of the last one
         self.next_due, self.interval = 1, 1
         self._last_take: Optional[Tuple[int, float]] = None
+        self.taken_step: Optional[int] = None  # the step of the last snapshot (every rank takes it, writer or not)
         # the participants' process groups, by participants: made now for the engine's plan (collective, at
         # start-up, not at the first snapshot of a running job), later for a plan a move brings
         self._part_groups: Dict[Tuple[int, ...], Any] = {}
@@ -234,11 +235,12 @@ class Snapshots:
         has sealed them: True when they did within `timeout` seconds. For a fault placed right after a
         snapshot (`--crash-at`, the recovery tests): a rank whose replica writes its stage's files takes no
         part in the writing and goes on at once, while the writers' keepers may still be at it; a device lost
-        then costs the step (the resume takes the one before, as it should)."""
+        then costs the step (the resume takes the one before, as it should). False at once where no snapshot
+        of `step` was taken."""
         self.wait()
         plan = self._plan
-        if plan is None:
-            return False
+        if plan is None or self.taken_step != int(step):
+            return False  # no snapshot of that step was taken (not due then): nothing to wait for
         sealers = ({r for ws in plan.writers.values() for r in ws} | {d for _, d in plan.buddies.values()}
                    | plan.meta_writers)
         here = {r for r in sealers if self.hosts[r] == self.store.host}
@@ -264,6 +266,7 @@ class Snapshots:
         step_s = self._step_seconds(step, time.perf_counter())  # training alone: before this wait
         self.wait()
         t0 = time.perf_counter()
+        self.taken_step = step
         self.next_due = step + self.interval  # (every: auto) the interval the last snapshot's end agreed on
         mapping = current_mapping(eng.module)
         key = (tuple(tuple(r) for r in mapping), tuple(int(p) for p in eng.module.parts),
