@@ -148,30 +148,26 @@ def adam_scales(optimizer: Any, grads: List[torch.Tensor]) -> Optional[List[Opti
     if optimizer is None or not hasattr(optimizer, "param_groups"):
         return None
     state = getattr(optimizer, "state", {})
-    by_storage: Dict[int, torch.Tensor] = {}
+    by_storage: Dict[int, Tuple[torch.Tensor, Any, float, float]] = {}  # what a scale needs, by the .grad's storage
     for group in optimizer.param_groups:
         eps, beta2 = float(group.get("eps", 1e-8)), float(group.get("betas", (0.9, 0.999))[1])
         for p in group["params"]:
             st = state.get(p) if p.grad is not None else None
             v = st.get("exp_avg_sq") if st else None
-            if v is None or v.shape != p.grad.shape:
-                continue
-            step = st.get("step", 1)
-            if torch.is_tensor(step) and step.device.type != "cpu":  # fused / capturable Adam: kept on the device
-                step = step.to(dtype=v.dtype).clamp(min=1)
-            else:
-                step = max(float(step), 1.0)
-            by_storage[p.grad.data_ptr()] = ((v / (1 - beta2 ** step)).sqrt() + eps).reciprocal()
-    out: List[Optional[torch.Tensor]] = []
-    for g in grads:
-        if g is None or not g.numel():
-            out.append(None)
-            continue
-        s = by_storage.get(g.data_ptr())
-        if s is None:
-            return None
-        out.append(s)
-    return out
+            if v is not None and v.shape == p.grad.shape:
+                by_storage[p.grad.data_ptr()] = (v, st.get("step", 1), beta2, eps)
+    found = [None if g is None or not g.numel() else by_storage.get(g.data_ptr(), False) for g in grads]
+    if any(f is False for f in found):  # match first: no scale is computed for gradients that fall back
+        return None
+    return [None if f is None else _adam_scale(*f) for f in found]
+
+
+def _adam_scale(v: torch.Tensor, step: Any, beta2: float, eps: float) -> torch.Tensor:
+    if torch.is_tensor(step) and step.device.type != "cpu":  # fused / capturable Adam: kept on the device
+        step = step.to(dtype=v.dtype).clamp(min=1)
+    else:
+        step = max(float(step), 1.0)
+    return ((v / (1 - beta2 ** step)).sqrt() + eps).reciprocal()
 
 
 def _scaled(grads: List[torch.Tensor], scales: List[Optional[torch.Tensor]]) -> List[torch.Tensor]:
