@@ -4,11 +4,13 @@
   blocks, head), trained on CPython's own documentation text (`pydoc_data.topics`, ships with Python).
 - `mlp_layers`: a stack of Linear+ReLU blocks, the cheapest real pipeline model.
 - `digits_data`: scikit-learn's handwritten digits, for classification.
+- `TeacherSamples` / `teacher_layers`: regression on a noisy linear teacher, a task with a known noise floor
+  (the held-out loss against the clean targets is the excess loss, zero at the optimum).
 """
 from __future__ import annotations
 
 import math
-from typing import Iterator, List, Tuple
+from typing import Iterator, Tuple
 
 import torch
 from torch import nn
@@ -184,6 +186,56 @@ def synthetic_batches(d_in: int, d_out: int, micro_batch: int, seed: int = 0) ->
     while True:
         x = torch.randn(micro_batch, d_in, generator=g)
         yield x, (x @ teacher).argmax(-1)
+
+
+class TeacherSamples:
+    """Regression on a noisy linear teacher: x ~ N(0, I), y = W x + noise * e, W fixed by `seed`.
+
+    Why: a task whose loss has a known floor. Near it the gradient is mostly label noise, so the noise scale
+    grows by orders of magnitude as training converges (the regime where a growing batch pays, issue #36),
+    and the held-out loss against the *clean* targets (`clean=True`) is the excess loss itself. Sample i is
+    generated from its index alone (no table; any index, any order), so `ElasticBatches` can resume it at
+    any position. An indexable dataset of `size` samples with `fetch(indices) -> (x, y)`.
+    """
+
+    def __init__(self, d_in: int, d_out: int, noise: float, size: int, seed: int = 0, clean: bool = False):
+        g = torch.Generator().manual_seed(int(seed))
+        self.weight = torch.randn(d_out, d_in, generator=g) / math.sqrt(d_in)
+        self.d_in, self.d_out, self.noise = int(d_in), int(d_out), float(noise)
+        self.size, self.seed, self.clean = int(size), int(seed), bool(clean)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def fetch(self, idx: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        n = len(idx)
+        x = torch.empty(n, self.d_in)
+        e = torch.zeros(n, self.d_out)
+        g = torch.Generator()
+        for row, i in enumerate(idx.tolist()):
+            g.manual_seed(self.seed * 1_000_003 + 7919 * int(i) + 1)
+            x[row] = torch.randn(self.d_in, generator=g)
+            if not self.clean:
+                e[row] = torch.randn(self.d_out, generator=g)
+        # row by row (not a matmul, whose summation order depends on the batch): a sample is the same in any batch
+        return x, (x[:, None, :] * self.weight).sum(-1) + self.noise * e
+
+
+def teacher_layers(d_in: int, d_out: int, hidden: int, layers: int = 3) -> list:
+    """LayerSpecs of the teacher task's student: Linear(d_in, hidden), (layers - 2) Linear(hidden, hidden),
+    Linear(hidden, d_out) -- a deep *linear* network, so it can fit the teacher exactly and the excess loss
+    can go to zero; `layers` >= 2 gives a pipeline stage per layer."""
+    from deepspeed.pipe import LayerSpec
+
+    if layers < 2:
+        raise ValueError(f"teacher_layers: layers must be >= 2 (got {layers})")
+    return ([LayerSpec(nn.Linear, d_in, hidden)] + [LayerSpec(nn.Linear, hidden, hidden) for _ in range(layers - 2)]
+            + [LayerSpec(nn.Linear, hidden, d_out)])
+
+
+def mse_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error over samples and outputs."""
+    return F.mse_loss(pred, target)
 
 
 def num_params(module: nn.Module) -> int:

@@ -250,7 +250,8 @@ def plot_batch(result_path: str, out: str) -> List[str]:
     (the target as a line: the first run to cross it wins); below, over the same seconds, the micro-batches
     per replica each run used (a schedule's or the adaptive run's changes), its samples/s between
     evaluations, and the noise scale where a policy measured it (the adaptive run). The middle round of each
-    run. Returns the runs drawn."""
+    run. With an LR grid for the fixed batches (`fixed_lr`) only each batch's best LR is drawn; a teacher task
+    (`task: teacher`) draws its excess loss on a log scale. Returns the runs drawn."""
     import json
 
     import matplotlib
@@ -265,6 +266,10 @@ def plot_batch(result_path: str, out: str) -> List[str]:
     if not traces:
         raise ValueError(f"{result_path}: no traces (expected the JSON `pdv bench adaptive --scenario` writes)")
     middle = {label: rounds[len(rounds) // 2] for label, rounds in traces.items() if rounds and rounds[len(rounds) // 2]}
+    best_lr = res.get("best_lr_per_batch")
+    if best_lr is not None:  # an LR grid: each batch at its best LR (a batch that never reached the target: none)
+        keep = {f"fixed-{b}@{v['lr_scale']:g}" for b, v in best_lr.items()}
+        middle = {k: v for k, v in middle.items() if not k.startswith("fixed-") or k in keep}
     noisy = any(len(r) > 5 and r[5] is not None for rows in middle.values() for r in rows)
     ratios = [3, 1.2, 1.4] + ([1.2] if noisy else [])
     fig, axes = plt.subplots(len(ratios), 1, figsize=(10, 9 if noisy else 8), sharex=True,
@@ -289,9 +294,14 @@ def plot_batch(result_path: str, out: str) -> List[str]:
     ax.axhline(res["target_loss"], color="black", linewidth=0.8, linestyle=":")
     ax.text(0.99, res["target_loss"], f" target {res['target_loss']}", transform=ax.get_yaxis_transform(),
             ha="right", va="bottom", fontsize=8)
-    ax.set_ylabel("held-out loss (nats/byte)")
     lo = res["target_loss"]
-    ax.set_ylim(lo - 0.15, lo + 0.9)
+    if res.get("task") == "teacher":  # an excess loss going to zero: orders of magnitude
+        ax.set_yscale("log")
+        ax.set_ylabel("held-out excess loss (MSE)")
+        ax.set_ylim(lo / 3, lo * 300)
+    else:
+        ax.set_ylabel("held-out loss (nats/byte)")
+        ax.set_ylim(lo - 0.15, lo + 0.9)
     head = f"{res.get('scenario', '')}: time to held-out {res['target_loss']}\n"
     if res.get("best_fixed"):
         head += f"best fixed {res['best_fixed']['micro_batches']} micro-batches {res['best_fixed']['seconds_to_target']:.1f} s"

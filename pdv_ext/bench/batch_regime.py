@@ -16,12 +16,18 @@ A batch scenario (`launch/scenarios/batch_*.yaml`):
       lr_rule: sqrt           # the LR at b micro-batches: lr x rule(b / reference), also on every change
       schedule_lr_rule: none  # optional: the rule at a schedule's changes instead (none: the start's LR kept)
       fixed: [1, 2, 4, 8, 16] # micro-batches per replica of the fixed runs (global batch: b x micro_batch x data)
+      fixed_lr: [0.5, 1, 2]   # optional: LR multipliers each fixed batch runs at; its best one is compared
       schedules: ["1,150:4"]  # hand-written in hindsight: start, then STEP:MICRO_BATCHES after that step
       adaptive: {...}         # optional: `pdv.policy` of an adaptive run starting at the smallest fixed batch
       target_loss: 2.0        # held-out cross-entropy (nats/byte) to reach
       max_samples: 16384      # a run that has not reached it by then did not reach it
       eval_every: 512         # samples between held-out evaluations (not timed)
       repeats: 1              # rounds; each run alternates with the others, medians are reported
+
+`run.task: teacher` (with `run.teacher: {d_in, d_out, hidden, layers, noise}`) trains a deep linear student on
+a noisy linear teacher instead of the byte-level GPT: a task with a known noise floor, whose held-out loss
+(against the clean targets) is the excess loss. Trained close to that floor, its noise scale grows by orders
+of magnitude, the regime where a growing batch can pay (docs/policy.md).
 
 Every run trains the same model from the same seed on the same data order. Its time to the target is training
 time only (the steps, and any batch change they apply, summed; the held-out evaluations every `eval_every`
@@ -30,7 +36,7 @@ reported as such (`reached: false`) and never enter a ratio.
 
 JSON: `fixed` and `schedules` (each: micro_batches / schedule, global batch, `reached`, `seconds_to_target`,
 `samples_to_target`, `steps_to_target`, `samples_per_s`, `final_loss`, all rounds' seconds), `best_fixed`,
-`best_schedule`, `schedule_vs_best_fixed` (the best schedule's seconds over the best fixed batch's) and
+`best_schedule`, `best_lr_per_batch` (with a `fixed_lr` grid), `schedule_vs_best_fixed` (the best schedule's seconds over the best fixed batch's) and
 `headroom` (1 - that: under 0.15 the regime is the wrong one for batch adaptation), and with `adaptive`:
 `adaptive` and `ratio` (its seconds over the best fixed batch's); a run with a noise scale in its trace
 (the adaptive one) has `noise_scale`: its first and last readings and `headroom_bound`, the most any batch
@@ -58,13 +64,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ARTIFACTS = os.path.join(ROOT, "build", "bench-adaptive")
 
 
+class TeacherShape(StrictModel):
+    """`run.teacher:` the noisy linear teacher and its student (`pdv_ext.models.TeacherSamples`,
+    `teacher_layers`): y = W x + noise * e with x of `d_in` and y of `d_out` numbers; the student is `layers`
+    linear layers of width `hidden`. Its held-out loss is against the clean targets: the excess loss."""
+
+    d_in: int = Field(32, ge=1)
+    d_out: int = Field(8, ge=1)
+    hidden: int = Field(64, ge=1)
+    layers: int = Field(3, ge=2)
+    noise: float = Field(1.0, ge=0)
+    seed: int = 7
+
+
 class BatchRun(StrictModel):
     """`run:` of a batch scenario: the job's shape (the batch itself is `batch:`)."""
 
     pipe: int = Field(1, ge=1)
     data: int = Field(ge=1)
     micro_batch: int = Field(4, ge=1)
+    #: `bytes`: the byte-level GPT on CPython's docs (cross-entropy); `teacher`: regression on a noisy linear
+    #: teacher, trained close to its noise floor (held-out loss = excess mean squared error)
+    task: Literal["bytes", "teacher"] = "bytes"
     model: ModelShape = ModelShape()
+    teacher: TeacherShape = TeacherShape()
     #: Adam's LR at `batch.reference` micro-batches per replica
     lr: float = Field(2e-3, gt=0)
     seed: int = 1234
@@ -86,6 +109,9 @@ class BatchPlan(StrictModel):
     #: fixed batch at a constant LR does not get
     schedule_lr_rule: Optional[Literal["none", "linear", "sqrt"]] = None
     fixed: List[int] = Field(min_length=1)
+    #: LR multipliers each fixed batch is run at (on top of `lr_rule`): its best LR from this grid is the one
+    #: compared, so a fixed batch is not judged at an LR that suits another batch
+    fixed_lr: List[float] = Field([1.0], min_length=1)
     schedules: List[str] = []
     adaptive: Optional[Dict[str, Any]] = None
     target_loss: float = Field(gt=0)
@@ -101,6 +127,16 @@ class BatchPlan(StrictModel):
             raise ValueError(f"micro-batches per replica must be >= 1 (got {bad[0]})")
         if len(set(v)) != len(v):
             raise ValueError(f"each batch once (got {v})")
+        return v
+
+    @field_validator("fixed_lr")
+    @classmethod
+    def _fixed_lr(cls, v: List[float]) -> List[float]:
+        bad = [x for x in v if not x > 0]
+        if bad:
+            raise ValueError(f"LR multipliers must be > 0 (got {bad[0]})")
+        if len(set(v)) != len(v):
+            raise ValueError(f"each multiplier once (got {v})")
         return v
 
 
@@ -153,7 +189,10 @@ def load(path: str):
     if run.pipe * run.data != len(cluster):
         errors.append(f"{path}: run: pipe x data = {run.pipe * run.data} ranks, but the cluster has {len(cluster)} "
                       "devices (one rank per device)")
-    if run.model.hidden % run.model.heads:
+    if run.task == "teacher" and run.pipe > run.teacher.layers:
+        errors.append(f"{path}: run.pipe: {run.pipe} stages, but run.teacher.layers is {run.teacher.layers} "
+                      "(a stage needs a layer)")
+    if run.task == "bytes" and run.model.hidden % run.model.heads:
         errors.append(f"{path}: run.model.hidden: {run.model.hidden} is not a multiple of heads ({run.model.heads})")
     for i, text in enumerate(plan.schedules):
         try:
@@ -177,8 +216,10 @@ def load(path: str):
 def runs_of(sc: BatchScenario) -> List[Dict[str, Any]]:
     """Each run of a round: label, starting micro-batches, the schedule's changes and the adaptive policy."""
     plan = sc.batch
-    out = [{"label": f"fixed-{b}", "kind": "fixed", "micro_batches": b, "changes": [], "policy": None}
-           for b in plan.fixed]
+    grid = len(plan.fixed_lr) > 1
+    out = [{"label": f"fixed-{b}@{x:g}" if grid else f"fixed-{b}", "kind": "fixed", "micro_batches": b,
+            "lr_scale": x, "changes": [], "policy": None}
+           for b in plan.fixed for x in plan.fixed_lr]
     for text in plan.schedules:
         start, changes = parse_schedule(text)
         out.append({"label": f"schedule-{text}", "kind": "schedule", "schedule": text, "micro_batches": start,
@@ -204,20 +245,54 @@ def _policy(spec: Dict[str, Any], rule: str) -> Optional[Dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------------
 # rank side (python -m pdv_ext.bench.batch_regime --rank ARGS.json, one process per emulated device)
 # ---------------------------------------------------------------------------------------------------
+def build_teacher_engine(run: BatchRun, pdv: Dict[str, Any], micro_batches: int, lr: float, max_samples: int):
+    """The teacher task's pipeline on this rank (gloo; Adam; mean squared error): (engine, the data iterator,
+    the held-out (x, clean y)). Training samples are stream positions 0 .. max_samples (each drawn once, in
+    order: they are i.i.d. already); the held-out ones are the `run.held_out` indices after them."""
+    import deepspeed
+    import torch
+    from deepspeed.pipe import PipelineModule
+
+    import pdv_ext
+    from ..models import TeacherSamples, mse_loss, seed_layer, teacher_layers
+    from ..policy.data import ElasticBatches
+
+    t = run.teacher
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(run.seed)
+    model = PipelineModule(layers=teacher_layers(t.d_in, t.d_out, t.hidden, t.layers), num_stages=run.pipe,
+                           loss_fn=mse_loss, seed_layers=True, seed_fn=seed_layer, base_seed=run.seed,
+                           partition_method="uniform")
+    cfg = {"train_micro_batch_size_per_gpu": run.micro_batch, "gradient_accumulation_steps": micro_batches,
+           "train_batch_size": run.micro_batch * micro_batches * run.data,
+           "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True}},
+           "steps_per_print": 10 ** 9, "pdv": pdv}
+    engine, _, _, _ = pdv_ext.initialize(model=model, config=cfg,
+                                         model_parameters=(p for p in model.parameters() if p.requires_grad))
+    size = int(max_samples) + 1024  # a step may pass max_samples by less than a batch
+    train = TeacherSamples(t.d_in, t.d_out, t.noise, size, seed=t.seed)
+    data = ElasticBatches.for_engine(engine, train, seed=run.seed, shuffle=False)
+    held = TeacherSamples(t.d_in, t.d_out, t.noise, size + run.held_out, seed=t.seed, clean=True)
+    return engine, data, held.fetch(torch.arange(size, size + run.held_out))
+
+
 def rank_main(args: Dict[str, Any]) -> int:
     import torch
     import torch.distributed as dist
 
-    from ..models import ByteWindows
-    from .adapt import build_gpt_engine
-
     run = BatchRun.model_validate(args["run"])
-    m = run.model
     pdv: Dict[str, Any] = {"aggregation": {"type": "mean"}}
     if args.get("policy"):
         pdv["policy"] = args["policy"]
-    engine, data, held_text = build_gpt_engine(run, pdv, int(args["micro_batches"]), float(args["lr"]))
-    xs, ys = ByteWindows(held_text, m.seq_len, 1, seed=999).batch(0, run.held_out)
+    if run.task == "teacher":
+        engine, data, (xs, ys) = build_teacher_engine(run, pdv, int(args["micro_batches"]), float(args["lr"]),
+                                                      int(args["max_samples"]))
+    else:
+        from ..models import ByteWindows
+        from .adapt import build_gpt_engine
+
+        engine, data, held_text = build_gpt_engine(run, pdv, int(args["micro_batches"]), float(args["lr"]))
+        xs, ys = ByteWindows(held_text, run.model.seq_len, 1, seed=999).batch(0, run.held_out)
     mbs = run.micro_batch
     held = [(xs[i:i + mbs], ys[i:i + mbs]) for i in range(0, len(xs) - mbs + 1, mbs)]
 
@@ -277,7 +352,7 @@ def _run(sc: BatchScenario, spec, run: Dict[str, Any], workdir: str) -> Dict[str
     if os.path.exists(out):
         os.remove(out)
     plan = sc.batch
-    lr = sc.run.lr * lr_factor(plan.lr_rule, run["micro_batches"] / plan.reference)
+    lr = sc.run.lr * lr_factor(plan.lr_rule, run["micro_batches"] / plan.reference) * run.get("lr_scale", 1.0)
     args = {"run": sc.run.model_dump(), "micro_batches": run["micro_batches"], "lr": lr,
             "policy": _policy(run, plan.schedule_lr_rule or plan.lr_rule), "target_loss": plan.target_loss,
             "max_samples": plan.max_samples,
@@ -304,6 +379,8 @@ def summarize(run: Dict[str, Any], rounds: List[Dict[str, Any]], sc: BatchScenar
     else:
         out["micro_batches"] = run["micro_batches"]
         out["global_batch"] = run["micro_batches"] * sc.run.micro_batch * sc.run.data
+    if run["kind"] == "fixed":
+        out["lr_scale"] = run.get("lr_scale", 1.0)
     out["reached"] = reached
     for key in ("seconds_to_target", "samples_to_target", "steps_to_target"):
         out[key] = round(median([r[key] for r in rounds]), 3) if reached else None
@@ -346,7 +423,7 @@ def figures(sc: BatchScenario, runs: List[Dict[str, Any]], results: Dict[str, Li
     rows = {r["label"]: summarize(r, results[r["label"]], sc) for r in runs}
     fixed = [rows[r["label"]] for r in runs if r["kind"] == "fixed"]
     scheds = [rows[r["label"]] for r in runs if r["kind"] == "schedule"]
-    out: Dict[str, Any] = {"target_loss": sc.batch.target_loss, "max_samples": sc.batch.max_samples,
+    out: Dict[str, Any] = {"task": sc.run.task, "target_loss": sc.batch.target_loss, "max_samples": sc.batch.max_samples,
                            "lr_rule": sc.batch.lr_rule,
                            "schedule_lr_rule": sc.batch.schedule_lr_rule or sc.batch.lr_rule, "repeats": sc.batch.repeats, "fixed": fixed,
                            "schedules": scheds}
@@ -362,6 +439,14 @@ def figures(sc: BatchScenario, runs: List[Dict[str, Any]], results: Dict[str, Li
         return out
     best = min(ok, key=lambda f: f["seconds_to_target"])
     out["best_fixed"] = {"micro_batches": best["micro_batches"], "seconds_to_target": best["seconds_to_target"]}
+    if len(sc.batch.fixed_lr) > 1:  # the LR grid: which of its LRs won, and each batch's best
+        out["best_fixed"]["lr_scale"] = best["lr_scale"]
+        per: Dict[int, Dict[str, Any]] = {}
+        for f in ok:
+            b = f["micro_batches"]
+            if b not in per or f["seconds_to_target"] < per[b]["seconds_to_target"]:
+                per[b] = {"lr_scale": f["lr_scale"], "seconds_to_target": f["seconds_to_target"]}
+        out["best_lr_per_batch"] = {str(b): per[b] for b in sorted(per)}
     sched_ok = [s for s in scheds if s["reached"]]
     if sched_ok:
         bs = min(sched_ok, key=lambda s: s["seconds_to_target"])

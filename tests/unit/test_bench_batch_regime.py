@@ -12,12 +12,14 @@ SCENARIOS = os.path.join(ROOT, "launch", "scenarios")
 CLUSTER = os.path.join(ROOT, "launch", "clusters", "emulated_4equal.yaml")
 
 
-@pytest.mark.parametrize("name", ["batch_pipeline", "batch_slow_link"])
+@pytest.mark.parametrize("name", ["batch_pipeline", "batch_slow_link", "batch_teacher_pipeline",
+                                  "batch_teacher_slow_link"])
 def test_shipped_batch_scenarios_load(name):
     sc, spec = br.load(os.path.join(SCENARIOS, f"{name}.yaml"))
     assert sc.run.pipe * sc.run.data == len(spec.devices)
     runs = br.runs_of(sc)
-    assert [r["micro_batches"] for r in runs if r["kind"] == "fixed"] == sc.batch.fixed
+    assert [r["micro_batches"] for r in runs if r["kind"] == "fixed"] == [
+        b for b in sc.batch.fixed for _ in sc.batch.fixed_lr]
     assert len([r for r in runs if r["kind"] == "schedule"]) == len(sc.batch.schedules) >= 1
 
 
@@ -55,6 +57,14 @@ def _scenario(batch, run="{pipe: 2, data: 2}"):
     ("{fixed: [1], target_loss: 2, max_samples: 100, adaptive: {plugins: [{name: nosuch}]}}",
      "{pipe: 2, data: 2}", "batch.adaptive.policy.plugins.0.name"),
     ("{fixed: [1], target_loss: 2, max_samples: 100, lr_rule: cubic}", "{pipe: 2, data: 2}", "batch.lr_rule"),
+    ("{fixed: [1], fixed_lr: [1, 0], target_loss: 2, max_samples: 100}", "{pipe: 2, data: 2}", "batch.fixed_lr"),
+    ("{fixed: [1], fixed_lr: [0.5, 0.5], target_loss: 2, max_samples: 100}", "{pipe: 2, data: 2}",
+     "each multiplier once"),
+    ("{fixed: [1], target_loss: 2, max_samples: 100}", "{pipe: 4, data: 1, task: teacher, teacher: {layers: 3}}",
+     "run.pipe: 4 stages, but run.teacher.layers is 3"),
+    ("{fixed: [1], target_loss: 2, max_samples: 100}", "{pipe: 2, data: 2, task: vision}", "run.task"),
+    ("{fixed: [1], target_loss: 2, max_samples: 100}", "{pipe: 2, data: 2, task: teacher, teacher: {layers: 1}}",
+     "run.teacher.layers"),
 ])
 def test_bad_batch_scenarios_name_the_key(tmp_path, batch, run, words):
     with pytest.raises(ConfigError) as e:
@@ -181,3 +191,74 @@ def test_a_run_with_noise_scales_reports_the_headroom_they_allow():
     rounds = _rounds(18)
     rounds[0]["trace"] = trace
     assert br.figures(sc, runs, {"adaptive": rounds})["adaptive"]["noise_scale"] == noise
+
+
+def test_an_lr_grid_runs_each_fixed_batch_at_each_lr_and_compares_its_best(tmp_path, monkeypatch):
+    sc, _ = br.load(_write(tmp_path, _scenario("{fixed: [2, 4], fixed_lr: [0.5, 1], lr_rule: none, "
+                                               "target_loss: 2, max_samples: 100}")))
+    runs = br.runs_of(sc)
+    assert [(r["label"], r["micro_batches"], r["lr_scale"]) for r in runs] == [
+        ("fixed-2@0.5", 2, 0.5), ("fixed-2@1", 2, 1.0), ("fixed-4@0.5", 4, 0.5), ("fixed-4@1", 4, 1.0)]
+    # each run's LR is the rule's times its multiplier
+    seen = {}
+
+    class FakeEmulation:
+        def __init__(self, spec, cmd, **kw):
+            import json
+            args = json.load(open(cmd[-1]))
+            seen[args["micro_batches"], args["lr"]] = True
+            self.out = args["out"]
+
+        def run(self):
+            import json
+            json.dump({"reached": True}, open(self.out, "w"))
+            return 0
+
+    import pdv_ext.emulate.launcher as launcher
+    monkeypatch.setattr(launcher, "Emulation", FakeEmulation)
+    for r in runs:
+        br._run(sc, None, r, str(tmp_path / r["label"]))
+    assert sorted(seen) == [(2, 1e-3), (2, 2e-3), (4, 1e-3), (4, 2e-3)]
+    results = {"fixed-2@0.5": _rounds(12), "fixed-2@1": _rounds(None), "fixed-4@0.5": _rounds(11),
+               "fixed-4@1": _rounds(9)}
+    out = br.figures(sc, runs, results)
+    assert out["best_fixed"] == {"micro_batches": 4, "seconds_to_target": 9, "lr_scale": 1.0}
+    assert out["best_lr_per_batch"] == {"2": {"lr_scale": 0.5, "seconds_to_target": 12},
+                                        "4": {"lr_scale": 1.0, "seconds_to_target": 9}}
+    assert [f["lr_scale"] for f in out["fixed"]] == [0.5, 1.0, 0.5, 1.0] and out["task"] == "bytes"
+
+
+def test_teacher_samples_are_a_function_of_their_index_with_the_noise_asked_for():
+    import torch
+
+    from pdv_ext.models import TeacherSamples
+
+    data = TeacherSamples(6, 3, noise=0.5, size=5000, seed=3)
+    x, y = data.fetch(torch.arange(0, 4000))
+    x2, y2 = data.fetch(torch.tensor([17, 3]))
+    assert torch.equal(x2[0], x[17]) and torch.equal(y2[1], y[3])  # any order, any batch: the same sample
+    resid = y - x @ data.weight.T
+    assert abs(resid.std().item() - 0.5) < 0.02 and abs(x.std().item() - 1.0) < 0.03
+    clean = TeacherSamples(6, 3, noise=0.5, size=5000, seed=3, clean=True)
+    xc, yc = clean.fetch(torch.arange(0, 10))
+    assert torch.equal(xc, x[:10]) and torch.allclose(yc, xc @ data.weight.T)  # held-out: the clean targets
+    other = TeacherSamples(6, 3, noise=0.5, size=5000, seed=4)
+    assert not torch.equal(other.weight, data.weight) and len(data) == 5000
+
+
+def test_plot_batch_of_a_teacher_grid_draws_each_batch_at_its_best_lr(tmp_path):
+    import json
+
+    from pdv_ext import plot
+
+    row = lambda s, loss, b: [s, s * 64, s * 0.1, loss, b]  # noqa: E731
+    res = {"scenario": "t", "task": "teacher", "target_loss": 0.003,
+           "best_fixed": {"micro_batches": 4, "seconds_to_target": 3.0, "lr_scale": 0.5},
+           "best_lr_per_batch": {"4": {"lr_scale": 0.5, "seconds_to_target": 3.0}},
+           "traces": {"fixed-4@0.5": [[row(10, 0.5, 4), row(30, 0.002, 4)]],
+                      "fixed-4@1": [[row(10, 0.4, 4), row(30, 0.01, 4)]],
+                      "fixed-8@1": [[row(10, 0.4, 8), row(30, 0.01, 8)]],
+                      "schedule-2,10:8": [[row(10, 0.5, 2), row(20, 0.0025, 8)]]}}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(res))
+    assert plot.plot_batch(str(path), str(tmp_path / "r.png")) == ["fixed-4@0.5", "schedule-2,10:8"]
