@@ -7,7 +7,7 @@ import pytest
 from pdv_ext.policy.base import Change, SetBatchSize, build_policy
 
 
-def run(pol, steps, step_time, gns, mb=1, mbs=4, dp=2, start=1, on_step=None):
+def run(pol, steps, step_time, gns, mb=1, mbs=4, dp=2, start=1, on_step=None, loss=None):
     """Drive `pol` as the runner would: its batch changes applied and announced. Returns the batch per step."""
     batches = []
     for step in range(start, start + steps):
@@ -15,6 +15,8 @@ def run(pol, steps, step_time, gns, mb=1, mbs=4, dp=2, start=1, on_step=None):
         batches.append(batch)
         m = {"step": step, "batch_size": batch, "micro_batches": mb, "micro_batch_size": mbs, "dp_size": dp,
              "step_time": step_time(batch), "gns": gns(step)}
+        if loss is not None:
+            m["loss"] = loss(step, batch)
         for a in pol.after_step(m):
             assert isinstance(a, SetBatchSize)
             mb, mbs = a.micro_batches, a.micro_batch_size
@@ -111,3 +113,38 @@ def test_bounds_that_make_no_sense_are_one_clear_error():
         build_policy({"name": "goodput", "min_batch_size": 16, "max_batch_size": 8})
     with pytest.raises(Exception, match="factor"):
         build_policy({"name": "goodput", "factor": 1.0})
+
+
+def _noisy_loss(floor_of, seed=0):
+    """A training loss that falls to a floor set by the batch (1 + floor_of(batch)), with per-step noise."""
+    import random
+
+    rng = random.Random(seed)
+    return lambda step, batch: 1.0 + floor_of(batch) + 2.0 * 0.97 ** step + rng.gauss(0.0, 0.01)
+
+
+def test_a_plateau_grows_the_batch_and_it_is_not_shrunk_below_again():
+    opts = {"name": "goodput", "warmup_steps": 10, "interval": 10, "plateau_steps": 20, "max_batch_size": 64}
+    pol = build_policy(opts)
+    # compute-bound with a small noise scale: goodput alone keeps the smallest batch (as the test above)...
+    batches = run(pol, 400, compute_bound, lambda s: 4.0, loss=_noisy_loss(lambda b: 0.0))
+    # ...but once the loss stops falling (0.97**step is below the noise from step ~150) the plateau grows it
+    plateaus = [d for d in pol.decisions if d["kind"] == "plateau"]
+    assert plateaus and plateaus[0]["step"] > 100, pol.decisions
+    assert all(d["to"] == 2 * d["from"] for d in plateaus)
+    # nothing after a plateau goes below the batch it reached (the efficiency says smaller is better here)
+    first = plateaus[0]["step"]
+    assert min(batches[first:]) >= plateaus[0]["to"] and pol.floor == batches[-1] == 64, batches[first::20]
+    # state survives a checkpoint
+    again = build_policy(opts)
+    again.load_state_dict(copy.deepcopy(pol.state_dict()))
+    assert again.floor == pol.floor and again.losses == pol.losses
+
+
+def test_no_plateau_while_the_loss_falls_or_without_the_option():
+    pol = build_policy({"name": "goodput", "warmup_steps": 10, "interval": 10, "plateau_steps": 20})
+    run(pol, 100, compute_bound, lambda s: 4.0, loss=_noisy_loss(lambda b: 0.0))  # falls by far more than noise
+    assert not [d for d in pol.decisions if d["kind"] == "plateau"] and pol.floor == 0
+    off = build_policy({"name": "goodput", "warmup_steps": 10, "interval": 10})
+    batches = run(off, 400, compute_bound, lambda s: 4.0, loss=_noisy_loss(lambda b: 0.0))
+    assert not [d for d in off.decisions if d["kind"] == "plateau"] and batches[-1] == 8

@@ -18,6 +18,13 @@ throughput from a formula fitted to the step times, this policy trusts a through
   under another split. The runner keeps the shares in proportion across a batch change, so `rebalance` and
   this policy do not undo each other.
 
+With `plateau_steps` it also grows where the training loss has stopped falling at this batch: the mean loss of
+the last `plateau_steps` steps is not `plateau_z` standard errors below the mean of the `plateau_steps` before
+(a statistical stationarity test, as SASA decays an LR on one). At a constant LR that is the batch's noise
+floor, which goodput's efficiency cannot see: the noise-scale model assumes the LR suits every batch. A bigger
+batch in place of an LR decay (Smith et al. 2018, "Don't decay the learning rate, increase the batch size")
+lowers the floor; a batch reached this way is not shrunk below again.
+
 The batch grows in micro-batches per step (`grow: micro_batches`, what shrinks a pipeline's bubble) or in the
 micro-batch size. The LR follows `lr_rule` (None: `pdv.policy.lr_scaling`). Every decision is one log line
 (batch before -> after, the samples/s of both and whether measured, the efficiencies and the noise scale),
@@ -25,6 +32,7 @@ and is kept in `decisions`.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Literal, Optional, Tuple
 
 from pydantic import Field, model_validator
@@ -57,6 +65,10 @@ class Goodput(Policy):
         #: steps after which a batch's measured throughput is forgotten (the current batch's never is)
         stale_after: int = Field(300, ge=1)
         lr_rule: Optional[LRRule] = None
+        #: steps per window of the plateau test (None: no growth on a plateau)
+        plateau_steps: Optional[int] = Field(None, ge=2)
+        #: standard errors the last window's mean loss must fall below the window before to count as progress
+        plateau_z: float = Field(1.0, ge=0.0)
 
         @model_validator(mode="after")
         def _bounds(self) -> "Goodput.Options":
@@ -74,6 +86,10 @@ class Goodput(Policy):
         self.probe: Optional[Dict[str, int]] = None
         self.decisions: List[Dict[str, Any]] = []
         self._pending = False  # this policy's own batch change, announced by the runner
+        #: training losses at the current batch since its first timed step (the plateau test's windows)
+        self.losses: List[float] = []
+        #: the smallest batch allowed: one the plateau test grew to (smaller ones stalled at this LR)
+        self.floor = 0
 
     def on_train_begin(self, ctx: TrainContext) -> None:
         self.last_change = max(self.last_change, int(ctx.step))
@@ -83,12 +99,14 @@ class Goodput(Policy):
         stale; a batch change restarts the timing at the new batch (its first step is not timed)."""
         if change.kind == "batch_size":
             self.last_change = change.step
+            self.losses = []
             if change.source != (getattr(self, "plugin_name", None) or "goodput"):
                 self.probe = None  # another policy set the batch: a probe of ours is over
         elif change.moves_work:
             self.measured.clear()
             self.probe = None
             self.last_change = change.step
+            self.losses = []
 
     # ---- measuring --------------------------------------------------------------------------------
     def throughput(self, batch: int, step: int) -> Optional[float]:
@@ -117,7 +135,7 @@ class Goodput(Policy):
         for target in (max(1, min(k - 1, int(round(k / self.options.factor)))),
                        max(k + 1, int(round(k * self.options.factor)))):
             batch = target * unit
-            if target != k and self.options.min_batch_size <= batch <= self.options.max_batch_size:
+            if target != k and max(self.options.min_batch_size, self.floor) <= batch <= self.options.max_batch_size:
                 out.append((batch, target, mbs) if self.options.grow == "micro_batches" else (batch, mb, target))
         return out
 
@@ -126,14 +144,47 @@ class Goodput(Policy):
     def efficiency(gns: float, batch: int, base: int) -> float:
         return (gns + base) / (gns + batch)
 
+    def plateau(self) -> Optional[Tuple[float, float, float]]:
+        """(mean loss of the window before, of the last window, their standard error) when the last window is
+        not `plateau_z` standard errors lower; None while it is, or before two windows were seen."""
+        n = self.options.plateau_steps
+        if not n or len(self.losses) < 2 * n:
+            return None
+        last, before = self.losses[-n:], self.losses[-2 * n:-n]
+
+        def mean_var(xs: List[float]) -> Tuple[float, float]:
+            mu = sum(xs) / len(xs)
+            return mu, sum((x - mu) ** 2 for x in xs) / (len(xs) - 1)
+
+        (ma, va), (mb, vb) = mean_var(last), mean_var(before)
+        se = math.sqrt(va / n + vb / n)
+        return None if mb - ma > self.options.plateau_z * se else (mb, ma, se)
+
     def after_step(self, m: Dict[str, Any]) -> List[Action]:
         step, batch = int(m["step"]), int(m["batch_size"])
         if step > self.last_change + 1:  # the first step at a new batch pays for its buffers
             self._time(batch, step, float(m["step_time"]))
+            loss = m.get("loss")
+            if self.options.plateau_steps and loss is not None and math.isfinite(float(loss)):
+                self.losses = (self.losses + [float(loss)])[-2 * self.options.plateau_steps:]
         gns = m.get("gns")
         settle = self.options.measure_steps + 1
         due = (step - self.last_change >= settle) if self.probe else \
             (step % self.options.interval == 0 and step - self.last_change >= max(settle, self.options.interval))
+        if step >= self.options.warmup_steps and due and not self.probe:
+            flat = self.plateau()
+            up = [c for c in self.neighbours(m) if c[0] > batch]
+            if flat is not None and up:
+                c, nmb, nmbs = up[0]
+                reason = (f"plateau: training loss {flat[0]:.5g} -> {flat[1]:.5g} over the last "
+                          f"{2 * self.options.plateau_steps} steps (standard error {flat[2]:.2g}): this batch's "
+                          f"floor at this LR; a bigger batch in place of an LR decay")
+                self.decisions.append({"step": step, "from": batch, "to": c, "kind": "plateau",
+                                       "loss": [flat[0], flat[1]], "se": flat[2]})
+                logger.info("goodput: step %d: batch %d -> %d, %s", step, batch, c, reason)
+                self.last_change, self.floor, self.losses = step, c, []
+                return [SetBatchSize(micro_batches=nmb, micro_batch_size=nmbs, lr_rule=self.options.lr_rule,
+                                     reason=reason)]
         if step < self.options.warmup_steps or not due or gns is None or self.throughput(batch, step) is None:
             return []
         gns = max(float(gns), 0.0)
@@ -156,7 +207,8 @@ class Goodput(Policy):
         was_probe = self.probe
         self.probe = None
         back = self.throughput(was_probe["back"], step) if was_probe else None
-        if was_probe and back is not None and back * self.efficiency(gns, was_probe["back"], base) > now:
+        if was_probe and back is not None and was_probe["back"] >= self.floor and \
+                back * self.efficiency(gns, was_probe["back"], base) > now:
             c = was_probe["back"]  # the probe did not pay: back at once, whatever the margin
             best = (back * self.efficiency(gns, c, base), c, was_probe["back_mb"], was_probe["back_mbs"], back,
                     "measured")
@@ -178,10 +230,13 @@ class Goodput(Policy):
 
     def state_dict(self) -> Dict[str, Any]:
         return {"measured": {int(k): dict(v) for k, v in self.measured.items()}, "last_change": self.last_change,
-                "probe": dict(self.probe) if self.probe else None, "decisions": list(self.decisions)}
+                "probe": dict(self.probe) if self.probe else None, "decisions": list(self.decisions),
+                "losses": list(self.losses), "floor": self.floor}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.measured = {int(k): {kk: float(vv) for kk, vv in v.items()} for k, v in state["measured"].items()}
         self.last_change = int(state["last_change"])
         self.probe = dict(state["probe"]) if state.get("probe") else None
         self.decisions = list(state.get("decisions", []))
+        self.losses = [float(x) for x in state.get("losses", [])]
+        self.floor = int(state.get("floor", 0))
