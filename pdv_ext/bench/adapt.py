@@ -183,29 +183,39 @@ def oracle_shares(cluster, events, run: RunShape) -> Optional[List[int]]:
 # ---------------------------------------------------------------------------------------------------
 # rank side (python -m pdv_ext.bench.adapt --rank ARGS.json, one process per emulated device)
 # ---------------------------------------------------------------------------------------------------
-def build_gpt_engine(run: Any, pdv: Dict[str, Any], micro_batches: int, lr: float) -> Tuple[Any, Any, Any]:
-    """The benchmarks' GPT pipeline on this rank (gloo; Adam; the `pdv` section given) and its training data:
-    (engine, the data iterator, the held-out text). `run` has pipe, data, micro_batch, seed and `model`."""
+def build_pipeline_engine(run: Any, layers: list, loss_fn: Any, partition: str, pdv: Dict[str, Any],
+                          micro_batches: int, lr: float) -> Any:
+    """A benchmark's pipeline engine on this rank: gloo, per-layer seeds, Adam at `lr`, the `pdv` section
+    given, `micro_batches` of `run.micro_batch` per replica and step (`run` has pipe, data, micro_batch, seed)."""
     import deepspeed
     import torch
     from deepspeed.pipe import PipelineModule
 
     import pdv_ext
-    from ..models import TextWindows, gpt_layers, lm_loss, seed_layer, text_splits
-    from ..policy.data import ElasticBatches
+    from ..models import seed_layer
 
-    m = run.model
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(run.seed)
-    model = PipelineModule(layers=gpt_layers(m.layers, m.hidden, m.heads, m.seq_len), num_stages=run.pipe,
-                           loss_fn=lm_loss, seed_layers=True, seed_fn=seed_layer, base_seed=run.seed,
-                           partition_method="parameters")
+    model = PipelineModule(layers=layers, num_stages=run.pipe, loss_fn=loss_fn, seed_layers=True,
+                           seed_fn=seed_layer, base_seed=run.seed, partition_method=partition)
     cfg = {"train_micro_batch_size_per_gpu": run.micro_batch, "gradient_accumulation_steps": micro_batches,
            "train_batch_size": run.micro_batch * micro_batches * run.data,
            "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True}},
            "steps_per_print": 10 ** 9, "pdv": pdv}
     engine, _, _, _ = pdv_ext.initialize(model=model, config=cfg,
                                          model_parameters=(p for p in model.parameters() if p.requires_grad))
+    return engine
+
+
+def build_gpt_engine(run: Any, pdv: Dict[str, Any], micro_batches: int, lr: float) -> Tuple[Any, Any, Any]:
+    """The benchmarks' GPT pipeline on this rank (gloo; Adam; the `pdv` section given) and its training data:
+    (engine, the data iterator, the held-out text). `run` has pipe, data, micro_batch, seed and `model`."""
+    from ..models import TextWindows, gpt_layers, lm_loss, text_splits
+    from ..policy.data import ElasticBatches
+
+    m = run.model
+    engine = build_pipeline_engine(run, gpt_layers(m.layers, m.hidden, m.heads, m.seq_len), lm_loss, "parameters",
+                                   pdv, micro_batches, lr)
     train_text, held_text = text_splits()
     data = ElasticBatches.for_engine(engine, TextWindows(train_text, m.seq_len), seed=run.seed)
     return engine, data, held_text

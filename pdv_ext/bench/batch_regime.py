@@ -249,26 +249,15 @@ def build_teacher_engine(run: BatchRun, pdv: Dict[str, Any], micro_batches: int,
     """The teacher task's pipeline on this rank (gloo; Adam; mean squared error): (engine, the data iterator,
     the held-out (x, clean y)). Training samples are stream positions 0 .. max_samples (each drawn once, in
     order: they are i.i.d. already); the held-out ones are the `run.held_out` indices after them."""
-    import deepspeed
     import torch
-    from deepspeed.pipe import PipelineModule
 
-    import pdv_ext
-    from ..models import TeacherSamples, mse_loss, seed_layer, teacher_layers
+    from ..models import TeacherSamples, mse_loss, teacher_layers
     from ..policy.data import ElasticBatches
+    from .adapt import build_pipeline_engine
 
     t = run.teacher
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(run.seed)
-    model = PipelineModule(layers=teacher_layers(t.d_in, t.d_out, t.hidden, t.layers), num_stages=run.pipe,
-                           loss_fn=mse_loss, seed_layers=True, seed_fn=seed_layer, base_seed=run.seed,
-                           partition_method="uniform")
-    cfg = {"train_micro_batch_size_per_gpu": run.micro_batch, "gradient_accumulation_steps": micro_batches,
-           "train_batch_size": run.micro_batch * micro_batches * run.data,
-           "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True}},
-           "steps_per_print": 10 ** 9, "pdv": pdv}
-    engine, _, _, _ = pdv_ext.initialize(model=model, config=cfg,
-                                         model_parameters=(p for p in model.parameters() if p.requires_grad))
+    engine = build_pipeline_engine(run, teacher_layers(t.d_in, t.d_out, t.hidden, t.layers), mse_loss, "uniform",
+                                   pdv, micro_batches, lr)
     size = int(max_samples) + 1024  # a step may pass max_samples by less than a batch
     train = TeacherSamples(t.d_in, t.d_out, t.noise, size, seed=t.seed)
     data = ElasticBatches.for_engine(engine, train, seed=run.seed, shuffle=False)
