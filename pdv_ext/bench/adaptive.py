@@ -49,8 +49,10 @@ from typing import Any, Dict, List, Optional, Tuple
 from .common import check_ranges, emit, log, median, parser
 
 
-def _config(mbs: int, lr: float, dp: int, plugins: Optional[list], monitor: bool, every: int = 1) -> dict:
-    pol: Dict[str, Any] = {"monitor": {"enabled": monitor, "tensorboard": False}, "every": every}
+def _config(mbs: int, lr: float, dp: int, plugins: Optional[list], monitor: bool, every: int = 1,
+            preconditioned: bool = False) -> dict:
+    pol: Dict[str, Any] = {"monitor": {"enabled": monitor, "tensorboard": False,
+                                       "gns_preconditioned": preconditioned}, "every": every}
     if plugins:
         pol["plugins"] = plugins
         pol["lr_scaling"] = "sqrt"
@@ -72,7 +74,7 @@ def _engine(args: Dict[str, Any], mbs: int, lr: float, plugins: Optional[list] =
     model = PipelineModule(layers=gpt_layers(args["layers"], args["hidden"], args["heads"], args["seq_len"]),
                            num_stages=1, loss_fn=lm_loss, seed_layers=True, seed_fn=seed_layer,
                            base_seed=args["seed"])
-    cfg = _config(mbs, lr, dist.get_world_size(), plugins, monitor, every)
+    cfg = _config(mbs, lr, dist.get_world_size(), plugins, monitor, every, args.get("gns_preconditioned", False))
     eng, _, _, _ = pdv_ext.initialize(model=model, config=cfg,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
     return eng
@@ -151,7 +153,6 @@ def _overhead(args: Dict[str, Any], eng: Any, data: Any, block: int) -> Dict[str
 
 def rank_main(**args: Any) -> Dict[str, Any]:
     import deepspeed
-    import torch
     import torch.distributed as dist
 
     from pdv_ext.models import ByteWindows, TextWindows, text_splits
@@ -214,6 +215,11 @@ def rank_main(**args: Any) -> Dict[str, Any]:
             out["adaptive_steps_to_target"] = res["steps"]
             out["adaptive_batches"] = res["batches"]
             out["adaptive_samples_to_target"] = res["samples"]
+            runner = eng.pdv_policy.runner
+            # each decision with its reason (the throughputs, efficiencies or plateau that decided it)
+            out["adaptive_decisions"] = [{"step": int(at), **{k: v for k, v in a.items() if k != "action"}}
+                                         for at, a in (runner.action_log if runner is not None else [])
+                                         if a.get("action") == "SetBatchSize"]
             rows = eng.pdv_policy.monitor.rows
             gns = [r.get("gns") for r in rows if r.get("gns") is not None]
             out["adaptive_gns_first_last"] = [gns[0], gns[-1]] if gns else None
@@ -262,6 +268,33 @@ def parse_schedule(text: str, ranks: int) -> List[Tuple[int, int]]:
     return sch
 
 
+def parse_policy_options(policy: str, items: List[str]) -> Dict[str, Any]:
+    """['plateau_steps=20'] -> {'plateau_steps': 20}, checked against the policy's options before any rank starts
+    (the bench sets the batch bounds, geometry and LR rule itself)."""
+    import yaml
+
+    from pydantic import ValidationError
+
+    from ..config_base import format_errors
+    from ..policy.base import POLICIES  # the package's import registered the built-ins
+
+    out: Dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--policy-option {item!r}: expected KEY=VALUE (e.g. plateau_steps=20)")
+        out[key.strip()] = yaml.safe_load(value)
+    reserved = sorted(set(out) & {"name", "max_batch_size", "min_batch_size", "grow", "lr_rule"})
+    if reserved:
+        raise ValueError(f"--policy-option {reserved[0]}: set by the bench (the fixed batches and --lr-rule)")
+    cls = POLICIES.get(policy)
+    try:
+        cls.Options(**out)
+    except ValidationError as exc:  # one line naming the key
+        raise ValueError("; ".join(format_errors(exc, cls.Options, f"--policy-option {policy}"))) from None
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     import sys
 
@@ -292,6 +325,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated subset of the runs, e.g. 'adaptive' or '64,adaptive'")
     ap.add_argument("--policy", default="gns_batch_size", choices=["gns_batch_size", "goodput"],
                     help="the batch policy of the adaptive run (its defaults, bounded by the fixed batches)")
+    ap.add_argument("--gns-preconditioned", action="store_true",
+                    help="the adaptive run's noise scale of Adam-preconditioned gradients (monitor.gns_preconditioned)")
+    ap.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an option of the adaptive run's policy, VALUE as YAML (repeatable), e.g. plateau_steps=20")
     ap.add_argument("--schedule", action="append", default=[], metavar="B0,STEP:B1,...",
                     help="also run a hand-written batch schedule, e.g. '16,150:256' (16, then 256 after step 150; "
                          "LR by --lr-rule at each change): what a schedule chosen in hindsight achieves (repeatable)")
@@ -309,18 +346,19 @@ def main(argv: Optional[List[str]] = None) -> int:
             ap.error(f"--only: unknown run '{run}'; known: {', '.join(runs)}")
     try:
         schedules = [parse_schedule(text, a.ranks) for text in a.schedule]
+        options = parse_policy_options(a.policy, a.policy_option)
     except ValueError as exc:
         ap.error(str(exc))
     args = {"batches": sorted(a.batches), "target": a.target, "lr": a.lr, "lr_rule": a.lr_rule, "hidden": a.hidden,
             "layers": a.layers, "heads": a.heads, "seq_len": a.seq_len, "held_out": a.held_out,
             "eval_every": a.eval_every, "max_samples": a.max_samples, "seed": a.seed,
-            "policy": {},  # the policy's defaults (interval 10, warmup 20, min_gain 0.05, ...)
-            "policy_name": a.policy,
+            "policy": options,  # the policy's defaults (interval 10, warmup 20, ...) but for --policy-option
+            "policy_name": a.policy, "gns_preconditioned": a.gns_preconditioned,
             "interval": 10, "overhead_blocks": 12, "overhead_steps": 10, "overhead_only": a.overhead_only,
             "only": a.only, "schedules": schedules}
     if a.quick:
         args.update(target=max(a.target, 2.2), max_samples=16_384, held_out=256, overhead_blocks=2, overhead_steps=5,
-                    interval=5, policy={"interval": 5, "warmup_steps": 5})
+                    interval=5, policy={"interval": 5, "warmup_steps": 5, **options})
     from ..spawn import run_ranks
 
     log(f"pdv bench adaptive: {a.ranks} ranks, batches {args['batches']}, target held-out loss {args['target']}")
@@ -344,6 +382,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               "adaptive_samples_to_target": res.get("adaptive_samples_to_target"),
               "adaptive_gns_first_last": res.get("adaptive_gns_first_last"),
               "adaptive_trace": res.get("adaptive_trace"),
+              "adaptive_decisions": res.get("adaptive_decisions"),
               "best_fixed_batch": best["batch"] if best else None,
               "schedules": [{**x, "ratio": (x["seconds_to_target"] / best["seconds_to_target"])
                              if (best and x["seconds_to_target"]) else None} for x in res.get("schedules", [])],
