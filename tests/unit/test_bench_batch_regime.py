@@ -12,7 +12,8 @@ SCENARIOS = os.path.join(ROOT, "launch", "scenarios")
 CLUSTER = os.path.join(ROOT, "launch", "clusters", "emulated_4equal.yaml")
 
 
-@pytest.mark.parametrize("name", ["batch_pipeline", "batch_slow_link", "batch_teacher_pipeline"])
+@pytest.mark.parametrize("name", ["batch_pipeline", "batch_slow_link", "batch_teacher_pipeline",
+                                  "batch_teacher_slow_link"])
 def test_shipped_batch_scenarios_load(name):
     sc, spec = br.load(os.path.join(SCENARIOS, f"{name}.yaml"))
     assert sc.run.pipe * sc.run.data == len(spec.devices)
