@@ -272,7 +272,6 @@ def parse_policy_options(policy: str, items: List[str]) -> Dict[str, Any]:
     """['plateau_steps=20'] -> {'plateau_steps': 20}, checked against the policy's options before any rank starts
     (the bench sets the batch bounds, geometry and LR rule itself)."""
     import yaml
-
     from pydantic import ValidationError
 
     from ..config_base import format_errors
