@@ -24,6 +24,7 @@ import threading
 import time
 from typing import BinaryIO, Dict, List, Optional, Sequence
 
+from ..policy.device_clock import ENV as DEVICE_CGROUP
 from ..recovery.keeper import CGROUP_ENV as KEEPER_CGROUP
 from ..spawn import default_env, kill_group
 from . import cgroup, netns
@@ -128,7 +129,8 @@ class Emulation:
                 "LOCAL_WORLD_SIZE": str(spec.local_size(i)), "MASTER_ADDR": device_ip(spec, 0),
                 "MASTER_PORT": str(MASTER_PORT), "PDV_DEVICE_NAME": d.name, "PDV_HOST": d.host,
                 "PDV_DEVICE_CORES": f"{self.cores[i]:.4f}", "PDV_EMULATION": self.name,
-                **({KEEPER_CGROUP: self.groups.host_procs(d.host)} if self.groups is not None else {}),
+                **({KEEPER_CGROUP: self.groups.host_procs(d.host),
+                    DEVICE_CGROUP: os.path.dirname(self.groups.procs_file(i))} if self.groups is not None else {}),
                 "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0",
                 "OMP_NUM_THREADS": "1", **({MARK_ENV: self.mark_path} if self.mark_path else {}),
                 **({STEP_ENV: self.step_path} if self.step_path else {})}

@@ -557,6 +557,23 @@ def test_the_launcher_gives_a_step_timeline_its_step_file(spec, tmp_path):
     assert not timed.by_step and events.STEP_ENV not in timed.rank_env(0)
 
 
+def test_each_rank_is_told_its_cpu_group(spec):
+    """The rank's device clock (policy/device_clock.py) reads its quota from the group the emulator names."""
+    from pdv_ext.policy import device_clock
+
+    class Groups:
+        def host_procs(self, host):
+            return f"/cg/host-{host}/cgroup.procs"
+
+        def procs_file(self, i):
+            return f"/cg/d{i}/cgroup.procs"
+
+    em = launcher.Emulation(spec, ["true"])
+    assert device_clock.ENV not in em.rank_env(1)  # no CPU groups (not set up): no device clock
+    em.groups = Groups()
+    assert em.rank_env(1)[device_clock.ENV] == "/cg/d1"
+
+
 def test_dry_run_of_a_step_timeline(tmp_path, capsys):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({**CLUSTER, "events": [{"at_fraction": 0.4, "device": "slow0", "throughput": 0.5},

@@ -21,6 +21,7 @@ from ...comm import world_comm
 from ...policy.applier import ApplierBase
 from ...policy.base import build_policy
 from ...policy.config import PolicyConfig
+from ...policy.device_clock import DeviceClock, device_clock
 from ...policy.metrics import Monitor
 from ...policy.runner import PolicyRunner
 from .internals import wrap_instructions
@@ -174,9 +175,10 @@ def _scaled(grads: List[torch.Tensor], scales: List[Optional[torch.Tensor]]) -> 
     return [g if s is None else g * s.to(g.dtype) for g, s in zip(grads, scales) if g is not None]
 
 
-def _timed(fn: Any, monitor: Monitor, cuda: bool = False) -> Any:
-    """`fn` (an instruction's handler) timed into `monitor`: by the host clock on CPU ranks, by CUDA events
-    on GPU ranks (where the host only queues kernels: its clock would time the launches)."""
+def _timed(fn: Any, monitor: Monitor, cuda: bool = False, clock: Optional[DeviceClock] = None) -> Any:
+    """`fn` (an instruction's handler) timed into `monitor` by the device's clock: CUDA events on GPU ranks
+    (where the host only queues kernels: its clock would time the launches), an emulated device's busy time
+    on its CPU quota (`clock`, policy/device_clock.py), else the host clock."""
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         if cuda:
             start = torch.cuda.Event(enable_timing=True)
@@ -187,6 +189,12 @@ def _timed(fn: Any, monitor: Monitor, cuda: bool = False) -> Any:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
                 monitor.add_compute_span(start, end)
+        if clock is not None:
+            c = clock.start()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                monitor.add_compute(clock.seconds_since(c))
         t = time.perf_counter()
         try:
             return fn(self, *args, **kwargs)
@@ -227,7 +235,8 @@ class PolicyGlue:
         self.monitor.shares = engine.data_shares
         engine.grad_hooks.append(_MonitorHook(self.monitor))
         # time forward/backward per rank (the straggler signal) through an instance-level instruction map
-        wrap_instructions(engine, lambda instr, fn: _timed(fn, self.monitor, cuda),
+        clock = None if cuda else device_clock()
+        wrap_instructions(engine, lambda instr, fn: _timed(fn, self.monitor, cuda, clock),
                           (schedule.ForwardPass, schedule.BackwardPass))
         self.rebind(engine)
 

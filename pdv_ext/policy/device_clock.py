@@ -1,0 +1,72 @@
+"""An emulated device's own clock: the CPU time its rank spends, at the CPU share the device is given.
+
+Why: on a GPU, compute is timed by CUDA events, the device's busy time, whatever the host waited for. An
+emulated device is a CPU quota (emulate/cgroup.py), and under a quota a rank that waited between passes runs the next
+one partly on unspent quota: its wall time reads it 8-26% faster than it runs once kept busy (the prediction
+grid, docs/placement.md). Policies that plan from those speeds (`replan`) then flatter exactly the devices a
+move makes the bottleneck. CPU seconds over the quota's cores is what a pass costs the device when it is busy:
+the emulated device's busy time, as CUDA events give a GPU's.
+
+`pdv emulate` names each rank's CPU group in `PDV_DEVICE_CGROUP`; the quota is read from it (again at most
+every `refresh_s`), so a slowdown the emulator plays mid-run is seen at once. Outside the emulator: None, and CPU
+ranks keep the host clock. The engine glue picks the clock (integrations/deepspeed/glue.py).
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+ENV = "PDV_DEVICE_CGROUP"
+
+
+def read_cores(group: str) -> Optional[float]:
+    """The cores a cgroup's CPU quota allows (v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`);
+    None without a quota ("max", -1) or when the files cannot be read."""
+    try:
+        v2 = os.path.join(group, "cpu.max")
+        if os.path.exists(v2):
+            with open(v2) as f:
+                quota, period = f.read().split()[:2]
+        else:
+            with open(os.path.join(group, "cpu.cfs_quota_us")) as f:
+                quota = f.read().strip()
+            with open(os.path.join(group, "cpu.cfs_period_us")) as f:
+                period = f.read().strip()
+        if quota in ("max", "-1"):
+            return None
+        cores = int(quota) / int(period)
+        return cores if cores > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+class DeviceClock:
+    """Busy seconds of the emulated device in CPU group `group`: `c = clock.start()`, then
+    `clock.seconds_since(c)` (the process's CPU time since, over the quota's cores at the end)."""
+
+    def __init__(self, group: str, refresh_s: float = 0.25):
+        self.group = group
+        self.refresh_s = float(refresh_s)
+        self._cores: Optional[float] = None
+        self._read_at = -float("inf")
+
+    def cores(self) -> float:
+        now = time.monotonic()
+        if now - self._read_at >= self.refresh_s:
+            self._cores = read_cores(self.group)
+            self._read_at = now
+        return self._cores or 1.0  # no quota: a rank runs on one core (single-threaded, OMP_NUM_THREADS=1)
+
+    @staticmethod
+    def start() -> float:
+        return time.process_time()
+
+    def seconds_since(self, start: float) -> float:
+        return (time.process_time() - start) / self.cores()
+
+
+def device_clock() -> Optional[DeviceClock]:
+    """This rank's emulated device clock, or None when it does not run on an emulated device."""
+    group = os.environ.get(ENV)
+    return DeviceClock(group) if group and os.path.isdir(group) else None

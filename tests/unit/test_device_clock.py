@@ -1,0 +1,85 @@
+"""The emulated device's clock (policy/device_clock.py): CPU seconds at the device's quota, read from its cgroup."""
+import time
+
+import pytest
+
+from pdv_ext.policy import device_clock as dc
+from pdv_ext.policy.config import MonitorConfig
+from pdv_ext.policy.metrics import Monitor
+
+
+class OneRank:
+    rank, size, payload_device = 0, 1, "cpu"
+
+
+def _v2(tmp_path, text):
+    (tmp_path / "cpu.max").write_text(text)
+    return str(tmp_path)
+
+
+def test_cores_from_cgroup_v2_and_v1(tmp_path):
+    assert dc.read_cores(_v2(tmp_path, "27500 100000\n")) == pytest.approx(0.275)
+    assert dc.read_cores(_v2(tmp_path, "max 100000\n")) is None  # no quota
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    (v1 / "cpu.cfs_quota_us").write_text("1100\n")
+    (v1 / "cpu.cfs_period_us").write_text("4000\n")
+    assert dc.read_cores(str(v1)) == pytest.approx(0.275)
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert dc.read_cores(str(v1)) is None
+    assert dc.read_cores(str(tmp_path / "missing")) is None
+
+
+def test_the_clock_follows_a_quota_changed_while_it_runs(tmp_path):
+    """The emulator's events change a device's quota mid-run: the next reading after `refresh_s` uses it."""
+    group = _v2(tmp_path, "50000 100000")
+    clock = dc.DeviceClock(group, refresh_s=0.0)
+    assert clock.cores() == pytest.approx(0.5)
+    _v2(tmp_path, "10000 100000")
+    assert clock.cores() == pytest.approx(0.1)
+    _v2(tmp_path, "max 100000")
+    assert clock.cores() == 1.0  # no quota: one core
+
+
+def _burn(seconds):
+    t = time.process_time()
+    while time.process_time() - t < seconds:
+        pass
+
+
+def test_busy_seconds_are_cpu_seconds_over_the_quota(tmp_path):
+    clock = dc.DeviceClock(_v2(tmp_path, "25000 100000"))
+    c = clock.start()
+    _burn(0.05)
+    time.sleep(0.1)  # waiting costs the device nothing
+    busy = clock.seconds_since(c)
+    assert busy == pytest.approx(0.05 / 0.25, rel=0.3)
+
+
+def test_the_environment_names_the_group(tmp_path, monkeypatch):
+    monkeypatch.delenv(dc.ENV, raising=False)
+    assert dc.device_clock() is None  # not on an emulated device: the host clock
+    monkeypatch.setenv(dc.ENV, str(tmp_path / "gone"))
+    assert dc.device_clock() is None
+    monkeypatch.setenv(dc.ENV, _v2(tmp_path, "50000 100000"))
+    assert dc.device_clock().group == str(tmp_path)
+
+
+def test_glue_times_compute_by_the_device_clock(tmp_path):
+    """On an emulated device the Monitor's compute is the busy time (CPU at the quota), not the wall time: a
+    pass that waited reads no faster than one kept busy."""
+    from pdv_ext.integrations.deepspeed.glue import _timed
+
+    clock = dc.DeviceClock(_v2(tmp_path, "50000 100000"))
+    mon = Monitor(OneRank(), dp_size=1, config=MonitorConfig(tensorboard=False, gns=False))
+
+    def instruction(engine):
+        _burn(0.04)
+        time.sleep(0.2)  # a wall clock would count this
+
+    _timed(instruction, mon, cuda=False, clock=clock)(None)
+    out = mon.end_step(1, None, 0.1, 4, 1)
+    assert out["compute_times"][0] == pytest.approx(0.04 / 0.5, rel=0.3)
+    host = Monitor(OneRank(), dp_size=1, config=MonitorConfig(tensorboard=False, gns=False))
+    _timed(instruction, host, cuda=False)(None)  # no clock: the host's wall clock
+    assert host.end_step(1, None, 0.1, 4, 1)["compute_times"][0] >= 0.2
