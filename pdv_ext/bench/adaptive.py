@@ -217,9 +217,7 @@ def rank_main(**args: Any) -> Dict[str, Any]:
             out["adaptive_samples_to_target"] = res["samples"]
             runner = eng.pdv_policy.runner
             # each decision with its reason (the throughputs, efficiencies or plateau that decided it)
-            out["adaptive_decisions"] = [{"step": int(at), **{k: v for k, v in a.items() if k != "action"}}
-                                         for at, a in (runner.action_log if runner is not None else [])
-                                         if a.get("action") == "SetBatchSize"]
+            out["adaptive_decisions"] = runner.applied("SetBatchSize") if runner is not None else []
             rows = eng.pdv_policy.monitor.rows
             gns = [r.get("gns") for r in rows if r.get("gns") is not None]
             out["adaptive_gns_first_last"] = [gns[0], gns[-1]] if gns else None

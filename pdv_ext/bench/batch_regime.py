@@ -312,12 +312,8 @@ def rank_main(args: Dict[str, Any]) -> int:
             if loss <= target:
                 reached = trace[-1]
                 break
-    decisions: List[Dict[str, Any]] = []
     glue = engine.pdv_policy
-    if glue is not None and glue.runner is not None:
-        for at, action in glue.runner.action_log:
-            if action.get("action") == "SetBatchSize":
-                decisions.append({"step": int(at), **{k: v for k, v in action.items() if k != "action"}})
+    decisions = glue.runner.applied("SetBatchSize") if glue is not None and glue.runner is not None else []
     if dist.get_rank() == 0:
         out = {"trace": trace, "reached": reached is not None, "steps": step, "samples": samples,
                "train_seconds": seconds, "final_loss": trace[-1][3] if trace else None, "decisions": decisions,

@@ -154,6 +154,12 @@ class PolicyRunner:
         return applied
 
     # ---- one adaptive system: every applied change is announced to every policy ---------------------
+    def applied(self, kind: str) -> List[Dict[str, Any]]:
+        """Every applied action of type `kind` (e.g. "SetBatchSize"), each with its step and its fields (the
+        deciding policy's reason among them): what a benchmark reports of a run's decisions."""
+        return [{"step": int(at), **{k: v for k, v in a.items() if k != "action"}}
+                for at, a in self.action_log if a.get("action") == kind]
+
     def _in_force_now(self) -> Dict[str, Any]:
         """The data shares and the pipeline plan in force (what a policy's measurements belong to)."""
         ap = self.applier

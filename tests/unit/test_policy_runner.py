@@ -200,4 +200,7 @@ def test_agreement_every_n_steps_queues_decisions():
         assert [s for s, _ in runner.action_log] == [3, 3, 3]  # + Raiser's step-1 SetLearningRate
         assert ap.calls == [("batch", 3, 4), ("batch", 4, 4)]
         assert ap.lrs == pytest.approx([0.1 * 2, 0.01 * 2])  # 16 -> 24 -> 32 samples, linear
+        # what a benchmark reports: the batch decisions alone, each with its step and fields
+        assert [(d["step"], d["micro_batches"]) for d in runner.applied("SetBatchSize")] == [(3, 3), (3, 4)]
+        assert "action" not in runner.applied("SetBatchSize")[0] and runner.applied("Replan") == []
         assert runner.disabled == {1: "ValueError: bad plugin"}
