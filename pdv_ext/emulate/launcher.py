@@ -24,7 +24,7 @@ import threading
 import time
 from typing import BinaryIO, Dict, List, Optional, Sequence
 
-from ..policy.device_clock import ENV as DEVICE_CGROUP
+from ..emulated_device import ENV as DEVICE_CGROUP
 from ..recovery.keeper import CGROUP_ENV as KEEPER_CGROUP
 from ..spawn import default_env, kill_group
 from . import cgroup, netns

@@ -558,8 +558,8 @@ def test_the_launcher_gives_a_step_timeline_its_step_file(spec, tmp_path):
 
 
 def test_each_rank_is_told_its_cpu_group(spec):
-    """The rank's device clock (policy/device_clock.py) reads its quota from the group the emulator names."""
-    from pdv_ext.policy import device_clock
+    """The rank's device clock (emulated_device.py) reads its quota from the group the emulator names."""
+    from pdv_ext import emulated_device as device_clock
 
     class Groups:
         def host_procs(self, host):

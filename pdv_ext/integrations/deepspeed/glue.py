@@ -21,7 +21,7 @@ from ...comm import world_comm
 from ...policy.applier import ApplierBase
 from ...policy.base import build_policy
 from ...policy.config import PolicyConfig
-from ...policy.device_clock import DeviceClock, device_clock
+from ...emulated_device import DeviceClock, device_clock
 from ...policy.metrics import Monitor
 from ...policy.runner import PolicyRunner
 from .internals import wrap_instructions
@@ -178,7 +178,7 @@ def _scaled(grads: List[torch.Tensor], scales: List[Optional[torch.Tensor]]) -> 
 def _timed(fn: Any, monitor: Monitor, cuda: bool = False, clock: Optional[DeviceClock] = None) -> Any:
     """`fn` (an instruction's handler) timed into `monitor` by the device's clock: CUDA events on GPU ranks
     (where the host only queues kernels: its clock would time the launches), an emulated device's busy time
-    on its CPU quota (`clock`, policy/device_clock.py), else the host clock."""
+    on its CPU quota (`clock`, emulated_device.py), else the host clock."""
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         if cuda:
             start = torch.cuda.Event(enable_timing=True)

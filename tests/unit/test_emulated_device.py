@@ -1,9 +1,9 @@
-"""The emulated device's clock (policy/device_clock.py): CPU seconds at the device's quota, read from its cgroup."""
+"""The emulated device's clock (emulated_device.py): CPU seconds at the device's quota, read from its cgroup."""
 import time
 
 import pytest
 
-from pdv_ext.policy import device_clock as dc
+from pdv_ext import emulated_device as dc
 from pdv_ext.policy.config import MonitorConfig
 from pdv_ext.policy.metrics import Monitor
 

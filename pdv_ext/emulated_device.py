@@ -1,4 +1,5 @@
-"""An emulated device's own clock: the CPU time its rank spends, at the CPU share the device is given.
+"""What a rank on an emulated device (`pdv emulate`) knows of it. Its clock: the CPU time it spends, at the
+CPU share the device is given.
 
 Why: on a GPU, compute is timed by CUDA events, the device's busy time, whatever the host waited for. An
 emulated device is a CPU quota (emulate/cgroup.py), and under a quota a rank that waited between passes runs the next
