@@ -226,7 +226,9 @@ class Emulation:
                 self.player.start(time.monotonic())
             return
         for i in range(len(self.spec.devices)):
-            wrapper = ["sh", "-c", 'echo $$ > "$0" && ns="$1" && shift && exec ip netns exec "$ns" "$@"',
+            # nsenter, not `ip netns exec`: that one remounts /sys for the namespace, where the rank could no
+            # longer read its CPU group (its device clock, emulated_device.py) nor enter it (--startup-on-host)
+            wrapper = ["sh", "-c", 'echo $$ > "$0" && ns="$1" && shift && exec nsenter --net="/run/netns/$ns" "$@"',
                        self.groups.procs_file(i), self.net.dev_ns[i], *self.command]
             p = subprocess.Popen(wrapper, env=self.rank_env(i), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, start_new_session=True)
