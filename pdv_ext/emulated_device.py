@@ -19,6 +19,8 @@ import time
 from typing import Optional
 
 ENV = "PDV_DEVICE_CGROUP"
+#: `pdv emulate --startup-on-host`: the device group's `cgroup.procs`, which the worker enters at pdv's start
+ENTER_ENV = "PDV_DEVICE_ENTER"
 
 
 def read_cores(group: str) -> Optional[float]:
@@ -71,3 +73,17 @@ def device_clock() -> Optional[DeviceClock]:
     """This rank's emulated device clock, or None when it does not run on an emulated device."""
     group = os.environ.get(ENV)
     return DeviceClock(group) if group and os.path.isdir(group) else None
+
+
+def enter_device_group() -> bool:
+    """Move this process into its emulated device's CPU group, when `pdv emulate --startup-on-host` started it
+    on its host's CPU: its start-up (imports, rendezvous, the model's construction) ran at the host's speed, as
+    on a real host whatever its GPU's speed; from here on it runs at the device's. `pdv_ext.initialize` calls
+    it first thing. Once per process (the variable is taken out of the environment); False when there is
+    nothing to enter."""
+    path = os.environ.pop(ENTER_ENV, None)
+    if not path:
+        return False
+    with open(path, "w") as f:
+        f.write("0")  # 0: the writer itself (every thread of the process moves with it)
+    return True

@@ -186,13 +186,14 @@ def _scenario(path: str):
 
 
 def _emulate(work: str, name: str, cluster_path: str, events: Optional[str], job: List[str],
-             timeout: float) -> Dict[str, Any]:
+             timeout: float, startup_on_host: bool = True) -> Dict[str, Any]:
     """One `pdv emulate` run of faults_job.py; its logs, the fault's wall time and the run's wall time."""
     out = os.path.join(work, name)
     os.makedirs(out)
     ev_log = os.path.join(work, f"{name}-events.jsonl")
     cmd = [sys.executable, "-m", "pdv_ext.cli", "emulate", "--cluster", cluster_path, "--timeout", str(timeout),
            "--events-log", ev_log, "--elastic"] + (["--events", events] if events else []) + \
+        (["--startup-on-host"] if startup_on_host else []) + \
         ["--", sys.executable, "-m", "pdv_ext.bench.faults_job", "--out", out, *job]
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60)
@@ -213,7 +214,10 @@ def _survivor_summary(run: Dict[str, Any], steps: int, device: str) -> Dict[str,
 
 
 def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str], hidden: int,
-                 out: Optional[str] = None, every: str = "1") -> Dict[str, Any]:
+                 out: Optional[str] = None, every: str = "1", startup_on_host: bool = True) -> Dict[str, Any]:
+    """Every way of the scenario in one job. `startup_on_host`: the workers' start-up (imports, rendezvous,
+    the model) runs on their host's CPU, as on real hosts, not under a slow device's quota (`pdv emulate
+    --startup-on-host`), in every way alike."""
     sc, cluster_path, cluster, lost, left = _scenario(path)
     steps = steps or sc.run.steps
     lose_at = lost.at_step
@@ -225,7 +229,7 @@ def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str
     work = tempfile.mkdtemp(prefix="pdv-bench-faults-")
     res: Dict[str, Any] = {"scenario": os.path.basename(path), "steps": steps, "lose_at": lose_at,
                            "lost": lost.target, "devices_left": len(left), "pipe": sc.run.pipe,
-                           "snapshot_every": every}
+                           "snapshot_every": every, "startup_on_host": startup_on_host}
     base = ["--steps", str(steps), "--pipe", str(sc.run.pipe), "--hidden", str(hidden)]
     series: Dict[str, Any] = {}
     try:
@@ -238,7 +242,7 @@ def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str
                 log(f"[bench faults] {kind}: {lost.target} lost after step {lose_at}")
                 run = _emulate(work, kind, cluster_path, ev,
                                base + ["--root", os.path.join(work, f"{kind}-root"), "--mode", mode, "--every", every],
-                               timeout)
+                               timeout, startup_on_host)
                 res[kind] = _survivor_summary(run, steps, watch)
                 series[kind] = _series(run["logs"][watch], run["t_kill"])
         if "reference" in only:
@@ -247,11 +251,11 @@ def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str
                 f"{len(left)} devices from it")
             ckpt = os.path.join(work, "reference-ckpt")
             first = _emulate(work, "reference", cluster_path, None,
-                             base + ["--root", ckpt, "--mode", "none", "--save-at", str(at)], timeout)
+                             base + ["--root", ckpt, "--mode", "none", "--save-at", str(at)], timeout, startup_on_host)
             sub = os.path.join(work, "survivors.yaml")
             cluster.subset(left, source="survivors").save(sub)
             second = _emulate(work, "reference2", sub, None, base + ["--root", ckpt, "--mode", "none", "--load",
-                                                                     ckpt], timeout)
+                                                                     ckpt], timeout, startup_on_host)
             held = [e["held_out"] for e in second["logs"][watch] if "held_out" in e]
             res["reference"] = {"held_out": held[-1] if held else None, "switch_at": at,
                                 "wall_s": round(first["wall_s"] + second["wall_s"], 2)}
@@ -323,6 +327,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--scenario", default=None, metavar="FILE",
                     help="a fault scenario (launch/scenarios/host_loss.yaml, device_loss.yaml) on the emulated "
                          "cluster (root): its fault played by `pdv emulate`; --steps overrides its run's steps")
+    ap.add_argument("--startup-on-device", action="store_true",
+                    help="--scenario: run the workers' start-up under their device's CPU quota too (before "
+                         "2026-11-28; default: on their host's CPU, `pdv emulate --startup-on-host`)")
     args = ap.parse_args(argv)
     if args.every != "auto" and not (args.every.isdigit() and int(args.every) >= 1):
         ap.error(f"--every {args.every!r}: a number of steps >= 1, or auto")
@@ -332,7 +339,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         kinds = [k.strip() for k in args.only.split(",") if k.strip()]
         try:
-            res = run_scenario(args.scenario, args.steps, args.timeout, kinds, args.hidden, args.out, args.every)
+            check_available()  # not root, or no netns / tc / cgroups: one line now, not a failure per way later
+            res = run_scenario(args.scenario, args.steps, args.timeout, kinds, args.hidden, args.out, args.every,
+                               not args.startup_on_device)
         except ConfigError as exc:
             for line in exc.errors:
                 print(f"pdv bench faults: {line}", file=sys.stderr)

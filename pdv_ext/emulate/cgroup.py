@@ -145,6 +145,15 @@ class CpuGroups:
         os.makedirs(self._host_path(host), exist_ok=True)
         return os.path.join(self._host_path(host), "cgroup.procs")
 
+    def start_procs(self, i: int) -> str:
+        """The `cgroup.procs` file of device i's start-up group, without a quota (made on first use): a worker
+        started there runs its start-up (imports, rendezvous, building the model) on its host's CPU, as on a
+        real host whatever its GPU's speed, and enters the device's group itself (`pdv_ext.emulated_device`).
+        `kill(i)` kills it there too."""
+        path = self.paths[i] + "-start"
+        os.makedirs(path, exist_ok=True)
+        return os.path.join(path, "cgroup.procs")
+
     def _host_path(self, host: str) -> str:
         return os.path.join(self.parent, f"host-{host}")
 
@@ -155,8 +164,12 @@ class CpuGroups:
             kill_all(path, time.monotonic() + timeout)
 
     def kill(self, i: int, timeout: float = 10.0) -> None:
-        """Device i stops: every process in its group dies at once (SIGKILL), the group stays."""
-        kill_all(self.paths[i], time.monotonic() + timeout)
+        """Device i stops: every process in its group (and in its start-up group) dies at once (SIGKILL), the
+        groups stay."""
+        deadline = time.monotonic() + timeout
+        if os.path.isdir(self.paths[i] + "-start"):
+            kill_all(self.paths[i] + "-start", deadline)
+        kill_all(self.paths[i], deadline)
 
     def remove(self) -> None:
         remove_tree(self.parent)

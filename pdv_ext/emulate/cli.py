@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--elastic", action="store_true",
                     help="run each device's COMMAND under a torchrun agent even without fault events (with them "
                          "it always is)")
+    ap.add_argument("--startup-on-host", action="store_true",
+                    help="start each worker on its host's CPU, outside its device's quota, until it calls "
+                         "pdv_ext.initialize (start-up runs at a real host's speed whatever its GPU's; a program "
+                         "that never calls it runs without a quota)")
     ap.add_argument("--run-name", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dry-run", action="store_true",
                     help="print the namespaces, addresses, rates, quotas and the timeline of events")
@@ -73,6 +77,8 @@ def describe(em: "launcher.Emulation") -> str:
 
         lines.append(f"supervision: a torchrun agent per device, rendezvous store at {STORE_IP}:{STORE_PORT} "
                      "(a host of its own); ranks follow the rendezvous, each worker's device is PDV_DEVICE_NAME")
+    if em.startup_on_host:
+        lines.append("start-up: each worker on its host's CPU (no quota) until it calls pdv_ext.initialize")
     lines.append(describe_timeline(em))
     return "\n".join(lines)
 
@@ -117,7 +123,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         em = launcher.Emulation(spec, command, timeout=args.timeout, cpu_budget=args.cpu_budget,
                                 top_share=args.top_share, run_name=args.run_name, events=events,
                                 events_log=args.events_log, events_clock=args.events_clock,
-                                total_steps=args.total_steps, elastic=True if args.elastic else None)
+                                total_steps=args.total_steps, elastic=True if args.elastic else None,
+                                startup_on_host=args.startup_on_host)
     except ConfigError as exc:  # one line per problem, each naming its file and key (an event: its index)
         for line in exc.errors:
             print(f"pdv emulate: {line}", file=sys.stderr)

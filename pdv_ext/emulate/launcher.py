@@ -24,6 +24,7 @@ import threading
 import time
 from typing import BinaryIO, Dict, List, Optional, Sequence
 
+from ..emulated_device import ENTER_ENV as DEVICE_ENTER
 from ..emulated_device import ENV as DEVICE_CGROUP
 from ..recovery.keeper import CGROUP_ENV as KEEPER_CGROUP
 from ..spawn import default_env, kill_group
@@ -78,8 +79,11 @@ class Emulation:
                  run_name: Optional[str] = None, env: Optional[Dict[str, str]] = None,
                  out: Optional[BinaryIO] = None, grace: float = 2.0, log=None,
                  events: Optional[Sequence[Event]] = None, events_log: Optional[str] = None,
-                 events_clock: str = "launch", total_steps: Optional[int] = None, elastic: Optional[bool] = None):
+                 events_clock: str = "launch", total_steps: Optional[int] = None, elastic: Optional[bool] = None,
+                 startup_on_host: bool = False):
         self.spec = spec
+        #: workers start on their host's CPU and enter their device's quota at `pdv_ext.initialize`
+        self.startup_on_host = bool(startup_on_host)
         self.command = list(command)
         self.timeout = timeout
         budget = cpu_budget if cpu_budget is not None else default_cpu_budget()
@@ -131,6 +135,8 @@ class Emulation:
                 "PDV_DEVICE_CORES": f"{self.cores[i]:.4f}", "PDV_EMULATION": self.name,
                 **({KEEPER_CGROUP: self.groups.host_procs(d.host),
                     DEVICE_CGROUP: os.path.dirname(self.groups.procs_file(i))} if self.groups is not None else {}),
+                **({DEVICE_ENTER: self.groups.procs_file(i)}
+                   if self.groups is not None and self.startup_on_host else {}),
                 "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0",
                 "OMP_NUM_THREADS": "1", **({MARK_ENV: self.mark_path} if self.mark_path else {}),
                 **({STEP_ENV: self.step_path} if self.step_path else {})}
@@ -196,12 +202,17 @@ class Emulation:
                 self._start_agent(i)
         return notes
 
+    def first_group(self, i: int) -> str:
+        """The `cgroup.procs` file device i's worker starts in: the device's, or with `startup_on_host` its
+        start-up group (no quota), left for the device's at `pdv_ext.initialize` (emulated_device.py)."""
+        return self.groups.start_procs(i) if self.startup_on_host else self.groups.procs_file(i)
+
     def _start_agent(self, i: int) -> None:
         """Device i's torchrun agent (elastic runs) in its namespace; its worker in the device's CPU group."""
         spec = self.spec
         restarts = 3 + sum(len(c.down) for c in self.changes)  # every membership change restarts the workers
         cmd = el.agent_command(self.command, el.fewest_left(len(spec.devices), self.changes), len(spec.devices),
-                               device_ip(spec, i), self.name, restarts, self.groups.procs_file(i))
+                               device_ip(spec, i), self.name, restarts, self.first_group(i))
         mem = self.host_memory(spec.devices[i].host)
         os.makedirs(mem, exist_ok=True)
         # nsenter, not `ip netns exec`: that one remounts /sys for the namespace, where the worker could no
@@ -229,7 +240,7 @@ class Emulation:
             # nsenter, not `ip netns exec`: that one remounts /sys for the namespace, where the rank could no
             # longer read its CPU group (its device clock, emulated_device.py) nor enter it (--startup-on-host)
             wrapper = ["sh", "-c", 'echo $$ > "$0" && ns="$1" && shift && exec nsenter --net="/run/netns/$ns" "$@"',
-                       self.groups.procs_file(i), self.net.dev_ns[i], *self.command]
+                       self.first_group(i), self.net.dev_ns[i], *self.command]
             p = subprocess.Popen(wrapper, env=self.rank_env(i), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, start_new_session=True)
             self.procs.append(p)

@@ -10,6 +10,9 @@
     python emulate_workers.py stream S     rank 0 streams bytes to rank 1 for S seconds; rank 1 calls
                                            pdv_ext.emulate.events.mark_start() when the first bytes arrive and
                                            prints the bytes received per 0.25 s window as JSON
+    python emulate_workers.py groups       print this rank's CPU group before and after
+                                           pdv_ext.emulated_device.enter_device_group(), and the cores its
+                                           device clock reads, as JSON
 """
 import json
 import os
@@ -170,6 +173,19 @@ def _recv_line(c: socket.socket) -> str:
     return data.decode().strip()
 
 
+def groups() -> None:
+    def mine() -> str:
+        with open("/proc/self/cgroup") as f:
+            return f.read().strip().splitlines()[-1].rsplit(":", 1)[1]
+
+    from pdv_ext.emulated_device import device_clock, enter_device_group
+
+    before = mine()
+    entered = enter_device_group()
+    print(json.dumps({"before": before, "entered": entered, "after": mine(), "cores": device_clock().cores()}),
+          flush=True)
+
+
 if __name__ == "__main__":
     what = sys.argv[1]
     if what == "env":
@@ -187,3 +203,5 @@ if __name__ == "__main__":
         spin(float(sys.argv[2]))
     elif what == "stream":
         stream(float(sys.argv[2]))
+    elif what == "groups":
+        groups()

@@ -55,8 +55,8 @@ def cluster(tmp_path):
     return str(path)
 
 
-def _emulate(cluster, run_name, *cmd, timeout=None, popen=False):
-    args = [sys.executable, "-m", "pdv_ext.cli", "emulate", "--cluster", cluster, "--run-name", run_name]
+def _emulate(cluster, run_name, *cmd, timeout=None, popen=False, flags=()):
+    args = [sys.executable, "-m", "pdv_ext.cli", "emulate", "--cluster", cluster, "--run-name", run_name, *flags]
     if timeout:
         args += ["--timeout", str(timeout)]
     args += ["--", sys.executable, WORKERS, *cmd]
@@ -118,6 +118,27 @@ def test_ranks_see_launcher_env_and_limited_bandwidth(cluster):
     assert 0.6 * intra < bw[1] < 1.2 * intra, bw
     assert 0.6 * inter < bw[2] < 1.2 * inter, bw
     assert 0.6 * inter < bw[3] < 1.2 * inter, bw
+
+
+@pytest.mark.timeout(90)
+def test_startup_on_host_then_the_device_quota(cluster):
+    """`--startup-on-host`: a worker starts in its device's start-up group (no quota) and enters the device's
+    group at `enter_device_group()` (pdv_ext.initialize calls it); its device clock reads the device's quota."""
+    run = f"pdv-{secrets.token_hex(3)}"
+    p = _emulate(cluster, run, "groups", timeout=60, flags=["--startup-on-host", "--cpu-budget", "1.2"])
+    assert p.returncode == 0, p.stderr
+    seen = _rank_json(p.stdout)
+    assert sorted(seen) == [0, 1, 2, 3]
+    for r in range(4):
+        assert seen[r]["before"].endswith(f"/{run}/d{r}-start") and seen[r]["entered"], seen[r]
+        assert seen[r]["after"].endswith(f"/{run}/d{r}"), seen[r]
+    # throughputs 2, 2, 1, 1 over 1.2 cores: 0.4, 0.4, 0.2, 0.2
+    assert [round(seen[r]["cores"], 2) for r in range(4)] == [0.4, 0.4, 0.2, 0.2]
+    assert not _leftovers(run)
+    p = _emulate(cluster, run, "groups", timeout=60)  # without the flag: in the device's group from the start
+    seen = _rank_json(p.stdout)
+    assert p.returncode == 0 and all(not seen[r]["entered"] and seen[r]["before"].endswith(f"/d{r}")
+                                     for r in range(4)), seen
 
 
 @pytest.mark.timeout(90)

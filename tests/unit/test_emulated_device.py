@@ -83,3 +83,41 @@ def test_glue_times_compute_by_the_device_clock(tmp_path):
     host = Monitor(OneRank(), dp_size=1, config=MonitorConfig(tensorboard=False, gns=False))
     _timed(instruction, host, cuda=False)(None)  # no clock: the host's wall clock
     assert host.end_step(1, None, 0.1, 4, 1)["compute_times"][0] >= 0.2
+
+
+def test_entering_the_device_group_once(tmp_path, monkeypatch):
+    """`pdv emulate --startup-on-host`: the worker writes itself (0) into its device group's procs file at
+    pdv_ext.initialize, once; without the variable there is nothing to enter."""
+    procs = tmp_path / "cgroup.procs"
+    procs.write_text("")
+    monkeypatch.delenv(dc.ENTER_ENV, raising=False)
+    assert dc.enter_device_group() is False and procs.read_text() == ""
+    monkeypatch.setenv(dc.ENTER_ENV, str(procs))
+    assert dc.enter_device_group() is True and procs.read_text() == "0"
+    assert dc.ENTER_ENV not in __import__("os").environ  # child processes (the snapshot keepers) stay put
+    assert dc.enter_device_group() is False
+
+
+def test_initialize_enters_the_device_group_first(monkeypatch):
+    """Before anything else, even a config error: the engine's construction runs at the device's speed."""
+    from pdv_ext.config import ConfigError
+    from pdv_ext.integrations.deepspeed import engine
+
+    calls = []
+    monkeypatch.setattr(engine, "enter_device_group", lambda: calls.append(1) or True)
+    with pytest.raises(ConfigError):
+        engine.initialize(model=None, config=None)
+    assert calls == [1]
+
+
+def test_a_lost_device_takes_its_starting_worker_with_it(tmp_path, monkeypatch):
+    from pdv_ext.emulate import cgroup
+
+    groups = cgroup.CpuGroups.__new__(cgroup.CpuGroups)
+    groups.paths = [str(tmp_path / "d0")]
+    start = groups.start_procs(0)
+    assert start == str(tmp_path / "d0-start" / "cgroup.procs")
+    killed = []
+    monkeypatch.setattr(cgroup, "kill_all", lambda path, deadline: killed.append(path))
+    groups.kill(0)
+    assert killed == [str(tmp_path / "d0-start"), str(tmp_path / "d0")]
