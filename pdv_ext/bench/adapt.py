@@ -512,6 +512,15 @@ def replan_figures(result: Dict[str, Any], event_steps: List[Optional[int]], win
     return out
 
 
+def every_round_errors(rounds: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Every round's moves, not only the median round's: the post-move step must meet its prediction in each.
+    `prediction_errors_after_runs` (per round, per move) and their `max_prediction_error_after`."""
+    errors = [[f.get("prediction_error_after") for f in replan_figures(r, event_steps(r, r["events_log"]))]
+              if r.get("moves") else [] for r in rounds]
+    known = [e for row in errors for e in row if e is not None]
+    return {"prediction_errors_after_runs": errors, "max_prediction_error_after": max(known) if known else None}
+
+
 def _steal(result: Dict[str, Any], steps: range) -> Optional[float]:
     """The hypervisor's share of the machine's CPU while these steps (0-based) ran (None unknown)."""
     host, dur, ends = result.get("host_cpu"), result["durations"], result["ends"]
@@ -641,6 +650,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         summary["oracle"] = summary["static"]
     if "adaptive" in results and results["adaptive"].get("moves"):
         summary["adaptive"]["replans"] = replan_figures(results["adaptive"], summary["adaptive"]["event_steps"])
+    if repeats > 1 and any(r.get("moves") for r in runs.get("adaptive", [])):
+        summary["adaptive"].update(every_round_errors(runs["adaptive"]))
     if "adaptive" in summary:
         ad = summary["adaptive"]["wall_seconds"]
         for base in ("static", "oracle"):

@@ -177,6 +177,20 @@ def test_the_step_after_a_move_is_every_step_its_plan_ran():
     assert adapt.replan_figures(res, [4, 10], window=3)[0]["steps_after"] == 3  # an event at step 10 ends it
 
 
+def test_every_rounds_moves_are_checked_against_their_predictions():
+    """With --repeats, the median round's moves are reported in full; every round's errors beside them."""
+    moved = _result()
+    moved["moves"] = [{"step": 6, "seconds": 0.5, "bytes_moved": 1000}]
+    moved["predictions"] = [{"step": 6, "kind": "replan", "predicted_before": 2.1, "predicted_after": 1.1}]
+    moved["events_log"] = []
+    worse = {**moved, "predictions": [{"step": 6, "kind": "replan", "predicted_before": 2.1, "predicted_after": 1.3}]}
+    still = {**_result(), "events_log": []}  # a round that did not move
+    out = adapt.every_round_errors([moved, worse, still])
+    assert out["prediction_errors_after_runs"][0] == [pytest.approx(0.1)]
+    assert out["prediction_errors_after_runs"][2] == []
+    assert out["max_prediction_error_after"] == pytest.approx(0.3)
+
+
 def test_replan_plugins_get_the_runs_length():
     pol = adapt._with_total_steps({"every": 2, "plugins": [{"name": "replan"}, {"name": "rebalance"}]}, 82)
     assert pol["plugins"] == [{"name": "replan", "total_steps": 82}, {"name": "rebalance"}]
