@@ -174,9 +174,11 @@ def _recv_line(c: socket.socket) -> str:
 
 
 def groups() -> None:
-    def mine() -> str:
+    def mine() -> str:  # the CPU controller's group: v1's "N:cpu,cpuacct:/path" line, else v2's "0::/path"
         with open("/proc/self/cgroup") as f:
-            return f.read().strip().splitlines()[-1].rsplit(":", 1)[1]
+            rows = [line.split(":", 2) for line in f.read().splitlines()]
+        cpu = [r[2] for r in rows if "cpu" in r[1].split(",")]
+        return (cpu or [r[2] for r in rows if r[0] == "0"])[0]
 
     from pdv_ext.emulated_device import device_clock, enter_device_group
 
