@@ -2,15 +2,18 @@
 CPU share the device is given.
 
 Why: on a GPU, compute is timed by CUDA events, the device's busy time, whatever the host waited for. An
-emulated device is a CPU quota (emulate/cgroup.py), and under a quota a rank that waited between passes runs the next
-one partly on unspent quota: its wall time reads it 8-26% faster than it runs once kept busy (the prediction
-grid, docs/placement.md). Policies that plan from those speeds (`replan`) then flatter exactly the devices a
-move makes the bottleneck. CPU seconds over the quota's cores is what a pass costs the device when it is busy:
-the emulated device's busy time, as CUDA events give a GPU's.
+emulated device is a CPU quota (emulate/cgroup.py), and under a quota a rank that waited between passes runs
+the next one partly on unspent quota: its wall time reads it 8-26% faster than it runs once kept busy (the
+prediction grid, docs/placement.md). Policies that plan from those speeds (`replan`) then flatter exactly the
+devices a move makes the bottleneck. CPU seconds over the quota's cores is what a pass costs the device when
+it is busy: the emulated device's busy time, as CUDA events give a GPU's.
 
 `pdv emulate` names each rank's CPU group in `PDV_DEVICE_CGROUP`; the quota is read from it (again at most
-every `refresh_s`), so a slowdown the emulator plays mid-run is seen at once. Outside the emulator: None, and CPU
-ranks keep the host clock. The engine glue picks the clock (integrations/deepspeed/glue.py).
+every `refresh_s`), so a slowdown the emulator plays mid-run is seen at once. Outside the emulator: None, and
+CPU ranks keep the host clock. The engine glue picks the clock (integrations/deepspeed/glue.py).
+
+And its start-up: under `pdv emulate --startup-on-host` a worker starts outside its device's quota and enters
+the device's group itself (`enter_device_group`, called by `pdv_ext.initialize`).
 """
 from __future__ import annotations
 
