@@ -60,8 +60,9 @@ def _emulate(cluster, run_name, *cmd, timeout=None, popen=False, flags=()):
     if timeout:
         args += ["--timeout", str(timeout)]
     args += ["--", sys.executable, WORKERS, *cmd]
-    if popen:
-        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    if popen:  # SIGINT at its default: a test run started in the background (`cmd &`) inherits it ignored
+        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
