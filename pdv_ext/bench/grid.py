@@ -24,7 +24,11 @@ that waits shows more than its busy speed under a CPU quota), and the cluster fi
 times `--slow` (`stated_speeds_error`); the baseline, the same prediction from the profile without the CPU's own
 work (each layer's update as timed alone, the reduction as its link transfer: the model before #38's grid),
 is `without_cpu_work_error`. An error is |predicted - measured| / measured; `worst_error` the
-largest over the grid, also per case kind. Runs are the demo GPT of the `pipe*_straggler` scenarios (8 blocks,
+largest over the grid, also per case kind. With `--repeats N` the whole grid (its profile first) runs N times
+in alternating rounds, on the plans the first round's profile chose: a case's measured step and each of its
+predictions are the medians over the rounds (each round predicted from its own profile and speeds), its errors
+those medians' errors, every round's own in `rounds` and the worst of any one round in `worst_round_error`
+(the spread a single grid would show). Runs are the demo GPT of the `pipe*_straggler` scenarios (8 blocks,
 hidden 128, micro-batch 4, 8 micro-batches a step), `--steps` timed steps after `--warmup`, each run's median
 step; every run's time per pipeline instruction (slowest rank) is in `parts_ms`.
 """
@@ -36,7 +40,7 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Tuple
 
-from .common import check_ranges, emit, log, parser
+from .common import check_ranges, emit, log, median, parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_CLUSTER = os.path.join(ROOT, "launch", "clusters", "emulated_4equal.yaml")
@@ -56,13 +60,15 @@ def _args(argv):
     ap.add_argument("--micro-batches", type=int, default=8, help="micro-batches of the whole step (all replicas)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of the whole grid (profile included), alternating; medians over them")
     ap.add_argument("--quick", action="store_true", help="depths 1,2, 3 steps (smoke test)")
     ap.add_argument("--timeout", type=float, default=600.0, help="per emulated run")
     a = ap.parse_args(argv)
     if a.quick:
         a.depths, a.steps, a.warmup = "1,2", 3, 1
     check_ranges(ap, a, {"--layers": 1, "--hidden": 1, "--micro-batch": 1, "--micro-batches": 1, "--steps": 1,
-                         "--warmup": 0}, ["--timeout", "--cpu-budget", "--slow"])
+                         "--warmup": 0, "--repeats": 1}, ["--timeout", "--cpu-budget", "--slow"])
     if not a.slow < 1.0:
         ap.error(f"--slow {a.slow:g} is not a slowdown (a speed below 1)")
     if a.hidden % 4:
@@ -160,6 +166,35 @@ def summary(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
+PREDICTIONS = ("", "wall_speeds_", "stated_speeds_", "without_cpu_work_")
+
+
+def merge_rounds(rounds: List[List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
+    """One row per case from its rows of every round (the same cases, in the same order): the median measured
+    step, the median of each prediction, and their errors; speeds element-wise medians, `parts_ms` and the
+    speeds' inputs from the round whose measured step is the median; each round's measured step, prediction
+    and error in `rounds`. One round gives its own row back (with `rounds` of one)."""
+    out: List[Dict[str, Any]] = []
+    for rows in zip(*rounds):
+        measured = median([r["measured_ms"] for r in rows])
+        mid = min(rows, key=lambda r: abs(r["measured_ms"] - measured))
+        row = dict(mid)
+        row["measured_ms"] = round(measured, 1)
+        for key in PREDICTIONS:
+            pred = median([r[f"{key}predicted_ms"] for r in rows])
+            row[f"{key}predicted_ms"], row[f"{key}error"] = round(pred, 1), round(abs(pred - measured) / measured, 3)
+        rep = median([r["replay_ms"] for r in rows])
+        row["replay_ms"], row["replay_error"] = round(rep, 1), round(abs(rep - measured) / measured, 3)
+        for key in ("busy_speeds", "wall_speeds"):
+            row[key] = [round(median(v), 3) for v in zip(*(r[key] for r in rows))]
+        steals = [r["host_steal"] for r in rows if r.get("host_steal") is not None]
+        row["host_steal"] = max(steals) if steals else None
+        row["rounds"] = [{"measured_ms": r["measured_ms"], "predicted_ms": r["predicted_ms"], "error": r["error"]}
+                         for r in rows]
+        out.append(row)
+    return out
+
+
 def main(argv=None) -> int:
     a = _args(sys.argv[1:] if argv is None else argv)
     from ..emulate import cgroup
@@ -200,40 +235,22 @@ def main(argv=None) -> int:
 
     arts = os.path.join(ARTIFACTS, f"budget-{budget:.2f}")  # the profile and every run, kept per budget
     os.makedirs(arts, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="pdv-bench-grid-") as tmp:
-        ref = reference_device(cluster)
-        prof_path = os.path.join(tmp, "profile.json")
-        log(f"profiling the demo GPT on the reference device d{ref} ({budget:.2f} cores for {n} devices, "
-            f"{top:.3f} each)")
-        emulate(cluster, timer + ["profile", "--cluster", a.cluster, "--out", prof_path, "--workload-speeds",
-                                  "--message-cpu", "--micro-batches", "1"] + model, "profile")
-        raw = Profile.load(prof_path)
-        work = raw.meta.get("workload_seconds") or []
-        profile = raw.calibrated(work[ref]) if work else raw
-        # the profiling device's CPU per second while kept busy, per core of its quota
-        cpu_work = raw.meta.get("workload_cpu_seconds") or []
-        rate = (cpu_work[ref] / work[ref] / top) if work and cpu_work else 1.0
-        profile.save(os.path.join(arts, "profile.json"))
-        bare = without_cpu_work(profile)
 
-        def plan_for(cl, depth: int) -> Tuple[List[int], List[List[int]]]:
-            p = solve("dp", profile, cl, depth, a.micro_batches // (n // depth))
-            return [int(x) for x in p.boundaries], [[int(r) for r in row] for row in p.rank_mapping]
-
-        grid = cases(plan_for, cluster, a.depths, a.slow)
+    def run_cases(grid, profile, bare, rate: float, tmp: str, tag: str, sfx: str) -> List[Dict[str, Any]]:
+        """One round: every case run on the emulated cluster and predicted from this round's profile."""
         results: List[Dict[str, Any]] = []
         for i, c in enumerate(grid):
             mb = a.micro_batches // (n // c["depth"])
             dev = c["slowed"]
             cl = cluster if dev is None else cluster.with_throughputs(
                 [t.throughput * (a.slow if j == dev else 1.0) for j, t in enumerate(cluster.devices)], source="grid")
-            plan_path, out = os.path.join(tmp, f"plan{i}.json"), os.path.join(arts, f"run{i}.json")
+            plan_path, out = os.path.join(tmp, f"plan{i}.json"), os.path.join(arts, f"run{i}{sfx}.json")
             with open(plan_path, "w") as f:
                 json.dump({"boundaries": c["boundaries"], "rank_mapping": c["rank_mapping"]}, f)
             label = f"depth {c['depth']} {c['case']}" + ("" if dev is None else f" (d{dev} of stage {c['stage']} slowed)")
-            log(f"[{i + 1}/{len(grid)}] {label}: boundaries {c['boundaries']} mapping {c['rank_mapping']}")
+            log(f"{tag}[{i + 1}/{len(grid)}] {label}: boundaries {c['boundaries']} mapping {c['rank_mapping']}")
             emulate(cl, timer + ["train", "--plan", plan_path, "--out", out, "--steps", str(a.steps), "--warmup",
-                                 str(a.warmup), "--micro-batches", str(mb), "--breakdown"] + model, f"run{i}")
+                                 str(a.warmup), "--micro-batches", str(mb), "--breakdown"] + model, f"run{i}{sfx}")
             with open(out) as f:
                 run = json.load(f)
             measured = float(run["median_step_ms"])
@@ -259,19 +276,57 @@ def main(argv=None) -> int:
                     row["replay_ms"], row["replay_error"] = round(rep, 1), round(abs(rep - measured) / measured, 3)
             row.update({"busy_speeds": [round(v, 3) for v in busy], "wall_speeds": [round(v, 3) for v in wall],
                         "parts_ms": instruction_parts(run["breakdown_ms"]),
-                        "host_steal": None if steal.get(f"run{i}") is None else round(steal[f"run{i}"], 3)})
+                        "host_steal": None if steal.get(f"run{i}{sfx}") is None else round(steal[f"run{i}{sfx}"], 3)})
             log(f"  measured {measured:.1f} ms, predicted {row['predicted_ms']:.1f} ms ({row['error']:.1%} off); "
                 f"from wall speeds {row['wall_speeds_predicted_ms']:.1f} ms ({row['wall_speeds_error']:.1%}), from the "
                 f"stated speeds {row['stated_speeds_predicted_ms']:.1f} ms ({row['stated_speeds_error']:.1%}); busy "
                 f"speeds {row['busy_speeds']}, wall {row['wall_speeds']}")
             results.append(row)
-    result = {**summary(results), "cpu_budget": round(budget, 3), "cores_per_device": round(top, 3),
+        return results
+
+    with tempfile.TemporaryDirectory(prefix="pdv-bench-grid-") as tmp:
+        ref = reference_device(cluster)
+        grid: List[Dict[str, Any]] = []
+        rounds: List[List[Dict[str, Any]]] = []
+        profiles: List[Dict[str, Any]] = []
+        for rnd in range(a.repeats):
+            tag = "" if a.repeats == 1 else f"round {rnd + 1}/{a.repeats}: "
+            sfx = "" if rnd == 0 else f"-r{rnd + 1}"  # round 1's files keep the names a single grid gives them
+            prof_path = os.path.join(tmp, f"profile{sfx}.json")
+            log(f"{tag}profiling the demo GPT on the reference device d{ref} ({budget:.2f} cores for {n} devices, "
+                f"{top:.3f} each)")
+            emulate(cluster, timer + ["profile", "--cluster", a.cluster, "--out", prof_path, "--workload-speeds",
+                                      "--message-cpu", "--micro-batches", "1"] + model, f"profile{sfx}")
+            raw = Profile.load(prof_path)
+            work = raw.meta.get("workload_seconds") or []
+            profile = raw.calibrated(work[ref]) if work else raw
+            # the profiling device's CPU per second while kept busy, per core of its quota
+            cpu_work = raw.meta.get("workload_cpu_seconds") or []
+            rate = (cpu_work[ref] / work[ref] / top) if work and cpu_work else 1.0
+            profile.save(os.path.join(arts, f"profile{sfx}.json"))
+            profiles.append({"fwd_bwd_ms": round(float(profile.arrays()["fwd_bwd"].sum()) * 1e3, 2),
+                             "engine_micro_batch_ms": round(profile.engine_micro_batch * 1e3, 3),
+                             "engine_step_ms": round(profile.engine_step * 1e3, 3),
+                             "workload_ms": [round(w * 1e3, 1) for w in work], "steal": steal.get(f"profile{sfx}")})
+            bare = without_cpu_work(profile)
+
+            def plan_for(cl, depth: int) -> Tuple[List[int], List[List[int]]]:
+                p = solve("dp", profile, cl, depth, a.micro_batches // (n // depth))
+                return [int(x) for x in p.boundaries], [[int(r) for r in row] for row in p.rank_mapping]
+
+            if rnd == 0:  # every round runs the first round's plans, so that its cases line up
+                grid = cases(plan_for, cluster, a.depths, a.slow)
+            rounds.append(run_cases(grid, profile, bare, rate, tmp, tag, sfx))
+    results = merge_rounds(rounds)
+    per_round = [summary(r)["worst_error"] for r in rounds]
+    result = {**summary(results), "worst_round_error": max(per_round), "worst_error_rounds": per_round,
+              "repeats": a.repeats, "cpu_budget": round(budget, 3), "cores_per_device": round(top, 3),
               "slow": a.slow, "depths": a.depths, "micro_batches": a.micro_batches, "steps": a.steps,
-              "profile_fwd_bwd_ms": round(float(profile.arrays()["fwd_bwd"].sum()) * 1e3, 2),
-              "engine_micro_batch_ms": round(profile.engine_micro_batch * 1e3, 3),
-              "engine_step_ms": round(profile.engine_step * 1e3, 3),
-              "workload_ms": [round(w * 1e3, 1) for w in work], "profile_steal": steal.get("profile"),
-              "runs": results}
+              "profile_fwd_bwd_ms": profiles[0]["fwd_bwd_ms"],
+              "engine_micro_batch_ms": profiles[0]["engine_micro_batch_ms"],
+              "engine_step_ms": profiles[0]["engine_step_ms"],
+              "workload_ms": profiles[0]["workload_ms"], "profile_steal": profiles[0]["steal"],
+              "profiles": profiles, "runs": results}
     with open(os.path.join(arts, "grid.json"), "w") as f:
         json.dump(result, f, indent=1)
     emit(result, a.json)

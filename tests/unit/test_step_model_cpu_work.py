@@ -165,3 +165,33 @@ def test_grid_baseline_profile_drops_the_cpu_work():
     c = _cluster()
     full = evaluate(prof, c, [0, 4], [[0, 1, 2, 3]], 2).step_time
     assert evaluate(bare, c, [0, 4], [[0, 1, 2, 3]], 2).step_time < full
+
+
+def _grid_row(measured, predicted, busy, case="calm"):
+    row = {"depth": 1, "case": case, "stage": None, "slowed": None, "measured_ms": measured, "replay_ms": predicted,
+           "busy_speeds": busy, "wall_speeds": busy, "host_steal": 0.01, "parts_ms": {"ForwardPass": measured}}
+    for key in grid.PREDICTIONS:
+        row[f"{key}predicted_ms"] = predicted
+        row[f"{key}error"] = round(abs(predicted - measured) / measured, 3)
+    return row
+
+
+def test_grid_rounds_merge_into_medians_of_each_case():
+    rounds = [[_grid_row(100.0, 90.0, [1.0, 0.5])], [_grid_row(130.0, 100.0, [0.8, 0.4])],
+              [_grid_row(110.0, 80.0, [0.9, 0.6])]]
+    (row,) = grid.merge_rounds(rounds)
+    # the medians of the rounds: measured 110, predicted 90 -> 18.2% off (each round alone: 10%, 23.1%, 27.3%)
+    assert row["measured_ms"] == 110.0 and row["predicted_ms"] == 90.0 and row["error"] == 0.182
+    assert row["replay_ms"] == 90.0 and row["stated_speeds_error"] == 0.182
+    assert row["busy_speeds"] == [0.9, 0.5]
+    assert row["parts_ms"] == {"ForwardPass": 110.0}  # the median round's breakdown
+    assert [r["error"] for r in row["rounds"]] == [0.1, 0.231, 0.273]
+    # one round gives its own row back
+    (one,) = grid.merge_rounds([[_grid_row(100.0, 90.0, [1.0, 0.5])]])
+    assert one["error"] == 0.1 and one["measured_ms"] == 100.0 and len(one["rounds"]) == 1
+
+
+def test_grid_repeats_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        grid.main(["--repeats", "0"])
+    assert "--repeats" in capsys.readouterr().err
