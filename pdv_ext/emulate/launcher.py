@@ -134,7 +134,7 @@ class Emulation:
                 "MASTER_PORT": str(MASTER_PORT), "PDV_DEVICE_NAME": d.name, "PDV_HOST": d.host,
                 "PDV_DEVICE_CORES": f"{self.cores[i]:.4f}", "PDV_EMULATION": self.name,
                 **({KEEPER_CGROUP: self.groups.host_procs(d.host),
-                    DEVICE_CGROUP: os.path.dirname(self.groups.procs_file(i))} if self.groups is not None else {}),
+                    DEVICE_CGROUP: self.groups.paths[i]} if self.groups is not None else {}),
                 **({DEVICE_ENTER: self.groups.procs_file(i)}
                    if self.groups is not None and self.startup_on_host else {}),
                 "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0",

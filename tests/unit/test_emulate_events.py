@@ -561,12 +561,14 @@ def test_each_rank_is_told_its_cpu_group(spec):
     """The rank's device clock (emulated_device.py) reads its quota from the group the emulator names."""
     from pdv_ext import emulated_device as device_clock
 
-    class Groups:
+    class Groups:  # cgroup.CpuGroups' names, without the groups
+        paths = [f"/cg/d{i}" for i in range(4)]
+
         def host_procs(self, host):
             return f"/cg/host-{host}/cgroup.procs"
 
         def procs_file(self, i):
-            return f"/cg/d{i}/cgroup.procs"
+            return f"{self.paths[i]}/cgroup.procs"
 
     em = launcher.Emulation(spec, ["true"])
     assert device_clock.ENV not in em.rank_env(1)  # no CPU groups (not set up): no device clock
