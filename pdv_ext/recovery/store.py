@@ -99,6 +99,16 @@ class HostStore:
             shutil.rmtree(os.path.join(self.base, tag_of(s)), ignore_errors=True)
         return dropped
 
+    def drop_after(self, step: int) -> List[int]:
+        """Drop every step newer than `step`, returning them. At a resume from `step` they are what an
+        abandoned run left (a snapshot in flight when a rank died: sealed by some ranks, not all), and the
+        resumed run writes the same steps again. Left there, an old seal would still vouch for a file of its
+        size rewritten since (a later resume would find it damaged), or count an old file into a new step."""
+        dropped = [s for s in self.steps() if s > step]
+        for s in dropped:
+            shutil.rmtree(os.path.join(self.base, tag_of(s)), ignore_errors=True)
+        return dropped
+
     # -- reading -----------------------------------------------------------------------------------------
     def steps(self) -> List[int]:
         try:

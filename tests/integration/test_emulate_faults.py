@@ -77,6 +77,25 @@ def test_host_lost_and_back(tmp_path):
 
 
 @pytest.mark.timeout(420)
+def test_host_flapping(tmp_path):
+    """A host lost, back and lost again (issue #37, bad luck): every change of membership is a restart from the
+    newest complete snapshot, with at most one step lost each time, and the job finishes."""
+    out, rows = _run(tmp_path, "- {at_step: 5, host: hostB, down: true}\n- {at_step: 8, host: hostB, down: false}\n"
+                     "- {at_step: 11, host: hostB, down: true}\n", stages=2, steps=300)
+    assert [(r["after"], r["applied"]) for r in rows] == [({"down": True}, True), ({"down": False}, True),
+                                                          ({"down": True}, True)], rows
+    demo = _rank0(out)
+    engines = [ln for ln in demo if "PDVPipelineEngine" in ln]
+    assert ["dp=2" in e for e in engines] == [True, False, True, False], engines
+    resumed = [int(m.group(1)) for m in (re.search(r"resumed at step (\d+)", ln) for ln in demo) if m]
+    steps = [r["applied_step"] for r in rows]
+    assert len(resumed) == 3, (rows, demo)
+    assert steps[0] - 1 <= resumed[0] <= steps[0] + 1 and steps[1] - 1 <= resumed[1], (rows, demo)
+    assert steps[2] - 1 <= resumed[2] <= steps[2] + 1, (rows, demo)  # the second loss also loses one step at most
+    assert any("done in" in ln for ln in demo)
+
+
+@pytest.mark.timeout(420)
 def test_device_lost_on_data_parallel(tmp_path):
     # a global batch of 48 (4 x 3 x 4 replicas) divides over the 3 replicas left (4 x 4 x 3): the resume keeps it
     out, rows = _run(tmp_path, "- {at_step: 4, device: b1, down: true}\n", stages=1, steps=10, grad_acc=3)

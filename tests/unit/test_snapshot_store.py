@@ -199,3 +199,52 @@ def test_wait_sealed_waits_for_this_hosts_writers_only_where_a_snapshot_was_take
     assert snaps.wait_sealed(10, timeout=0.2) is False  # rank 1 (this host) has not sealed yet
     _step(snaps.store, 10, {"layer_01.pt": b"b"}, rank=1)
     assert snaps.wait_sealed(10, timeout=5) is True  # host b's ranks 2 and 3 are not waited for here
+
+
+def test_a_resume_drops_the_steps_the_stopped_run_left_after_it(tmp_path, monkeypatch):
+    """A rank died while step 6 was being sealed: rank 1 had sealed its file, rank 0 had not. The restarted job
+    (one rank) resumes at step 5 and writes step 6 again, the same files at the same sizes with other bytes.
+    Had rank 1's old seal stayed, it would still vouch for its file by size: step 6 would read as damaged at the
+    next resume (or an old file would count into the new step). The resume drops what came after its step."""
+    from pdv_ext.integrations.deepspeed import snapshots as snap_mod
+    from pdv_ext.integrations.deepspeed.snapshots import Snapshots
+
+    store = HostStore(str(tmp_path), "job", "hostA")
+    names = ["meta.pt", "layer_00.pt", "layer_01.pt"]
+    old = {n: bytes([1]) * 64 for n in names}
+    _step(store, 5, {"meta.pt": old["meta.pt"], "layer_00.pt": old["layer_00.pt"]}, rank=0, expected=names)
+    _step(store, 5, {"layer_01.pt": old["layer_01.pt"]}, rank=1, expected=names)
+    _step(store, 6, {"layer_01.pt": old["layer_01.pt"]}, rank=1, expected=names)  # rank 0 died before its seal
+
+    class OneRank:  # torch.distributed with one rank: the restarted job
+        @staticmethod
+        def get_world_size():
+            return 1
+
+        @staticmethod
+        def all_gather_object(out, obj):
+            out[0] = obj
+
+        @staticmethod
+        def barrier(*a, **k):
+            pass
+
+    loaded = []
+    monkeypatch.setattr(snap_mod, "dist", OneRank)
+    monkeypatch.setattr(snap_mod, "load_layer_checkpoint", lambda eng, base, tag: loaded.append(tag))
+    snaps = Snapshots.__new__(Snapshots)
+    snaps.store, snaps.hosts, snaps._thread, snaps._error = store, ["hostA"], None, None
+
+    class Module:
+        parts = [0, 2]
+
+    class Engine:
+        global_rank, stage_id, module = 0, 0, Module()
+
+    assert snaps.resume(Engine()) == 5 and loaded == ["step00000005"]
+    assert store.steps() == [5]  # step 6, which the stopped run left unfinished, is gone
+    new = {n: bytes([2]) * 64 for n in names}  # the resumed run's step 6: same names and sizes, other bytes
+    _step(store, 6, new, rank=0, expected=names)
+    files = store.complete()[6]["files"]
+    for name in names:
+        assert store.read(6, name, files[name]) == new[name]

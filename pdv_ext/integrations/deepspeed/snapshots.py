@@ -464,6 +464,8 @@ class Snapshots:
         files = (store.complete().get(step) or {}).get("files", {})
         for name in sorted(mine & set(files)):  # what this rank will load: checked before the loader reads it
             store.read(step, name, files[name])
+        if self._host_leader(rank):  # what the run that stopped left after this step: written again from here
+            store.drop_after(step)
         load_layer_checkpoint(eng, store.base, tag_of(step))
         dist.barrier()
         self.resumed = {"step": float(step), "seconds": time.perf_counter() - t0}
