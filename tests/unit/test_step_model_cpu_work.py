@@ -195,3 +195,44 @@ def test_grid_repeats_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         grid.main(["--repeats", "0"])
     assert "--repeats" in capsys.readouterr().err
+
+
+def test_grid_repeats_run_every_case_per_round_and_report_medians(tmp_path, monkeypatch, capsys):
+    """`pdv bench grid --repeats 2` end to end with the emulated runs faked: a profile and every case per round,
+    round 2 on round 1's plans, each case's measured step the median of its rounds, every round's own kept."""
+    import json
+
+    from pdv_ext.bench import placement as bench_placement
+    from pdv_ext.emulate import launcher
+
+    calls = []
+
+    def fake_emulate(spec, cmd, timeout, label, steal, cpu_budget=None, top_share=None):
+        out = cmd[cmd.index("--out") + 1]
+        calls.append(label)
+        steal[label] = 0.0
+        if "profile" in cmd:
+            Profile([LayerProfile(f"l{i}", 0.05, 1e6, 1e3, 1e3, update=0.005) for i in range(10)]).save(out)
+            return False
+        with open(cmd[cmd.index("--plan") + 1]) as f:
+            plan = json.load(f)
+        n = sum(len(row) for row in plan["rank_mapping"])
+        step = 500.0 + 100.0 * calls.count(label) + (50.0 if label.endswith("-r2") else 0.0)
+        with open(out, "w") as f:
+            json.dump({"median_step_ms": step, "parts": plan["boundaries"], "rank_mapping": plan["rank_mapping"],
+                       "breakdown_ms": [{"ForwardPass": [100.0, 20.0], "BackwardPass": [200.0, 40.0]}] * n}, f)
+        return False
+
+    monkeypatch.setattr(bench_placement, "_emulate", fake_emulate)
+    monkeypatch.setattr(launcher, "check_available", lambda: None)
+    monkeypatch.setattr(grid, "ARTIFACTS", str(tmp_path))
+    assert grid.main(["--quick", "--repeats", "2", "--cpu-budget", "1.1", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    cases = len(res["runs"])
+    assert calls[0] == "profile" and calls[cases + 1] == "profile-r2" and len(calls) == 2 * (cases + 1)
+    assert res["repeats"] == 2 and len(res["profiles"]) == 2 and len(res["worst_error_rounds"]) == 2
+    for row in res["runs"]:  # rounds measured 600 and 650 ms: the median 625
+        assert [r["measured_ms"] for r in row["rounds"]] == [600.0, 650.0] and row["measured_ms"] == 625.0
+        assert row["error"] == round(abs(row["predicted_ms"] - 625.0) / 625.0, 3)
+    assert res["worst_round_error"] == max(res["worst_error_rounds"])
+    assert (tmp_path / "budget-1.10" / "run0-r2.json").exists() and (tmp_path / "budget-1.10" / "profile-r2.json").exists()
