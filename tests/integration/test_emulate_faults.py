@@ -78,20 +78,24 @@ def test_host_lost_and_back(tmp_path):
 
 @pytest.mark.timeout(420)
 def test_host_flapping(tmp_path):
-    """A host lost, back and lost again (issue #37, bad luck): every change of membership is a restart from the
-    newest complete snapshot, with at most one step lost each time, and the job finishes."""
+    """A host lost, back and lost again three steps later (issue #37, bad luck). Whether the job took it back
+    in between depends on how fast its agent rejoined (here it is usually gone again before): either way every
+    change of membership the job saw is a restart from the newest complete snapshot, each loss costs one step
+    at most, and the job finishes on host A."""
     out, rows = _run(tmp_path, "- {at_step: 5, host: hostB, down: true}\n- {at_step: 8, host: hostB, down: false}\n"
                      "- {at_step: 11, host: hostB, down: true}\n", stages=2, steps=300)
     assert [(r["after"], r["applied"]) for r in rows] == [({"down": True}, True), ({"down": False}, True),
                                                           ({"down": True}, True)], rows
     demo = _rank0(out)
     engines = [ln for ln in demo if "PDVPipelineEngine" in ln]
-    assert ["dp=2" in e for e in engines] == [True, False, True, False], engines
+    dps = ["dp=2" in e for e in engines]
+    assert dps[:2] == [True, False] and not dps[-1], engines  # it ends on host A alone
     resumed = [int(m.group(1)) for m in (re.search(r"resumed at step (\d+)", ln) for ln in demo) if m]
-    steps = [r["applied_step"] for r in rows]
-    assert len(resumed) == 3, (rows, demo)
-    assert steps[0] - 1 <= resumed[0] <= steps[0] + 1 and steps[1] - 1 <= resumed[1], (rows, demo)
-    assert steps[2] - 1 <= resumed[2] <= steps[2] + 1, (rows, demo)  # the second loss also loses one step at most
+    assert len(resumed) == len(engines) - 1 and resumed == sorted(resumed), (rows, demo)
+    down = [rows[0]["applied_step"], rows[2]["applied_step"]]
+    assert down[0] - 1 <= resumed[0] <= down[0] + 1, (rows, demo)
+    if len(engines) > 2:  # host B was taken back (or its rendezvous begun): a restart after the second loss
+        assert down[1] - 1 <= resumed[-1], (rows, demo)  # also loses one step at most
     assert any("done in" in ln for ln in demo)
 
 
