@@ -68,7 +68,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"pdv bench: unknown benchmark '{name}'{did_you_mean(name, BENCHES)}; known: {', '.join(BENCHES)}",
                   file=sys.stderr)
             return 2
-        return _call(f"pdv_ext.bench.{name.replace('-', '_')}:main", rest[1:])
+        spec = f"pdv_ext.bench.{name.replace('-', '_')}:main"
+        if "--json" in rest[1:] and not {"-h", "--help"} & set(rest[1:]):
+            from .bench.common import json_stdout
+
+            with json_stdout():  # stdout carries the JSON line alone
+                return _call(spec, rest[1:])
+        return _call(spec, rest[1:])
     if cmd not in COMMANDS:
         from .registry import did_you_mean
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -16,6 +17,26 @@ def parser(name: str, doc: Optional[str]) -> argparse.ArgumentParser:
     return ap
 
 
+#: where `emit` writes the JSON line while `json_stdout` holds everything else off stdout (None: sys.stdout)
+_json_out: Optional[Any] = None
+
+
+@contextlib.contextmanager
+def json_stdout():
+    """Run a bench with --json so that its stdout is the JSON line alone: whatever else is printed meanwhile
+    goes to stderr (DeepSpeed's logger, created on first import, writes its warnings to the sys.stdout of that
+    moment, so `pdv bench grid --json > out.json` used to start with one), and `emit` writes to the real
+    stdout. Processes a bench starts write to their own files or inherit the descriptors, untouched."""
+    global _json_out
+    real, _json_out = sys.stdout, sys.stdout
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _json_out = None
+        real.flush()
+
+
 def emit(result: Dict[str, Any], as_json: bool) -> None:
     """Print the result: a readable table, or (with --json) exactly one JSON object as the last line."""
     if not as_json:
@@ -23,8 +44,9 @@ def emit(result: Dict[str, Any], as_json: bool) -> None:
         for key, value in result.items():
             print(f"{key:<{width}}  {value}")
         return
+    out = _json_out or sys.stdout
     sys.stdout.flush()
-    print(json.dumps(result, sort_keys=False, default=float), flush=True)
+    print(json.dumps(result, sort_keys=False, default=float), file=out, flush=True)
 
 
 def median(xs: Sequence[float]) -> float:

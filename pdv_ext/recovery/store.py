@@ -94,20 +94,19 @@ class HostStore:
         steps = self.steps()
         sealed = [s for s in steps if self._seals(s)]
         keep_from = sealed[-keep] if len(sealed) >= keep else (sealed[0] if sealed else None)
-        dropped = [s for s in steps if keep_from is not None and s < keep_from]
-        for s in dropped:
-            shutil.rmtree(os.path.join(self.base, tag_of(s)), ignore_errors=True)
-        return dropped
+        return self._drop([s for s in steps if keep_from is not None and s < keep_from])
 
     def drop_after(self, step: int) -> List[int]:
         """Drop every step newer than `step`, returning them. At a resume from `step` they are what an
         abandoned run left (a snapshot in flight when a rank died: sealed by some ranks, not all), and the
         resumed run writes the same steps again. Left there, an old seal would still vouch for a file of its
         size rewritten since (a later resume would find it damaged), or count an old file into a new step."""
-        dropped = [s for s in self.steps() if s > step]
-        for s in dropped:
+        return self._drop([s for s in self.steps() if s > step])
+
+    def _drop(self, steps: List[int]) -> List[int]:
+        for s in steps:
             shutil.rmtree(os.path.join(self.base, tag_of(s)), ignore_errors=True)
-        return dropped
+        return steps
 
     # -- reading -----------------------------------------------------------------------------------------
     def steps(self) -> List[int]:
