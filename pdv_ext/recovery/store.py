@@ -12,6 +12,12 @@ files of a step after all of them are in place, and the seal lists the files a c
 (`expected`). `complete()` counts a file only when a seal names it with the size it has; `read()` checks
 its sha256. A rank killed while writing leaves files no seal names, or a seal that is not there yet: the
 step is then incomplete on that host, never wrong.
+
+Every seal carries the job's *generation*: 0 until the first resume, then one more than the newest any host
+held at each resume (all ranks agree on it there). A step number names one state only within a generation: a
+host cut off (not wiped) while the others resumed from an earlier step and wrote the same step numbers again
+comes back holding the old timeline's files under the new names. Of each step only the newest generation's
+seals count, on every host (`complete`, `newest_complete`), so an old file never joins a new step.
 """
 from __future__ import annotations
 
@@ -77,15 +83,16 @@ class HostStore:
         return {"sha256": digest(data), "bytes": len(data)}
 
     def seal(self, step: int, rank: int, files: Dict[str, Dict[str, object]], expected: Iterable[str],
-             label: str = "") -> None:
-        """Record that `rank` wrote `files` (name -> seal entry) of `step` whole; `expected` names every file
-        a complete step has (on some host). One seal per rank and `label` (a resume's fetched files seal
-        under their own label, beside what an earlier rank of that number wrote)."""
+             label: str = "", generation: int = 0) -> None:
+        """Record that `rank` wrote `files` (name -> seal entry) of `step` whole, in `generation`; `expected`
+        names every file a complete step has (on some host). One seal per rank and `label` (a resume's fetched
+        files seal under their own label, beside what an earlier rank of that number wrote)."""
         path = os.path.join(self.base, tag_of(step), f"sealed-rank{int(rank):05d}{label}.json")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"step": int(step), "rank": int(rank), "files": files, "expected": sorted(expected)}, f)
+            json.dump({"step": int(step), "rank": int(rank), "generation": int(generation), "files": files,
+                       "expected": sorted(expected)}, f)
         os.replace(tmp, path)
 
     def prune(self, keep: int) -> List[int]:
@@ -137,19 +144,24 @@ class HostStore:
         return {int(seal["rank"]) for seal in self._seals(step) if "rank" in seal}
 
     def complete(self) -> Dict[int, Dict[str, object]]:
-        """{step: {"files": {name: sha256} sealed and present at their sealed size, "expected": [...]}}."""
+        """{step: {"files": {name: sha256} sealed and present at their sealed size, "expected": [...],
+        "generation": g}}, from the seals of each step's newest generation on this host only."""
         out: Dict[int, Dict[str, object]] = {}
         for step in self.steps():
             files: Dict[str, str] = {}
             expected: List[str] = []
-            for seal in self._seals(step):
+            seals = self._seals(step)
+            gen = max((generation_of(seal) for seal in seals), default=0)
+            for seal in seals:
+                if generation_of(seal) != gen:
+                    continue  # an older timeline's seal: its files may have been written again since
                 expected = seal.get("expected") or expected
                 for name, entry in seal.get("files", {}).items():
                     path = os.path.join(self.folder(step), name)
                     if os.path.isfile(path) and os.path.getsize(path) == int(entry["bytes"]):
                         files[name] = str(entry["sha256"])
             if files:
-                out[step] = {"files": files, "expected": list(expected)}
+                out[step] = {"files": files, "expected": list(expected), "generation": gen}
         return out
 
     def read_raw(self, step: int, name: str) -> bytes:
@@ -168,18 +180,39 @@ class HostStore:
         return data
 
 
+def generation_of(entry: Dict[str, object]) -> int:
+    """A seal's (or a `complete()` entry's) generation; seals written before generations were kept: 0."""
+    return int(entry.get("generation", 0) or 0)  # type: ignore[arg-type]
+
+
+def step_entries(listings: Dict[str, Dict[int, Dict[str, object]]], step: int) -> Dict[str, Dict[str, object]]:
+    """{host: its `complete()` entry of `step`}, for the hosts whose entry is of the step's newest generation
+    among all hosts (an older one is another timeline's step of that number)."""
+    entries = {h: lst[step] for h, lst in listings.items() if lst.get(step)}
+    gen = max((generation_of(e) for e in entries.values()), default=0)
+    return {h: e for h, e in entries.items() if generation_of(e) == gen}
+
+
+def newest_generation(listings: Dict[str, Dict[int, Dict[str, object]]]) -> int:
+    """The newest generation any host holds a step of (0 when none)."""
+    return max((generation_of(e) for lst in listings.values() for e in lst.values()), default=0)
+
+
+def _expected_and_have(listings: Dict[str, Dict[int, Dict[str, object]]], step: int):
+    expected: Set[str] = set()
+    have: Set[str] = set()
+    for entry in step_entries(listings, step).values():
+        expected |= set(entry["expected"])  # type: ignore[arg-type]
+        have |= set(entry["files"])  # type: ignore[arg-type]
+    return expected, have
+
+
 def newest_complete(listings: Dict[str, Dict[int, Dict[str, object]]]) -> Optional[int]:
     """The newest step whose expected files are all present on some host of `listings`
-    ({host: HostStore.complete()})."""
+    ({host: HostStore.complete()}), counting each step's newest generation only."""
     best = None
     for step in sorted({s for lst in listings.values() for s in lst}):
-        expected = set()
-        have = set()
-        for lst in listings.values():
-            entry = lst.get(step)
-            if entry:
-                expected |= set(entry["expected"])
-                have |= set(entry["files"])
+        expected, have = _expected_and_have(listings, step)
         if expected and expected <= have:
             best = step
     return best
@@ -189,11 +222,6 @@ def missing_files(listings: Dict[str, Dict[int, Dict[str, object]]]) -> Dict[int
     """{step: files expected but on no host}, for the error that names what was lost."""
     out: Dict[int, List[str]] = {}
     for step in sorted({s for lst in listings.values() for s in lst}):
-        expected, have = set(), set()
-        for lst in listings.values():
-            entry = lst.get(step)
-            if entry:
-                expected |= set(entry["expected"])
-                have |= set(entry["files"])
+        expected, have = _expected_and_have(listings, step)
         out[step] = sorted(expected - have)
     return out

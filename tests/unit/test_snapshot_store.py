@@ -7,10 +7,10 @@ from pdv_ext.config import validate_pdv
 from pdv_ext.recovery.store import HostStore, SnapshotLost, missing_files, newest_complete
 
 
-def _step(store, step, files, rank=0, expected=None, seal=True):
+def _step(store, step, files, rank=0, expected=None, seal=True, generation=0):
     entries = {name: store.write(step, name, data) for name, data in files.items()}
     if seal:
-        store.seal(step, rank, entries, expected or list(files))
+        store.seal(step, rank, entries, expected or list(files), generation=generation)
     return entries
 
 
@@ -20,7 +20,7 @@ def test_a_file_counts_only_sealed_and_whole(tmp_path):
     _step(s, 2, {"meta.pt": b"m2"}, seal=False)  # a rank killed before it sealed: nothing of step 2 counts
     assert s.complete() == {1: {"files": {"meta.pt": s.write(1, "meta.pt", b"m")["sha256"],
                                           "layer_00.pt": s.write(1, "layer_00.pt", b"abc")["sha256"]},
-                                "expected": ["layer_00.pt", "meta.pt"]}}
+                                "expected": ["layer_00.pt", "meta.pt"], "generation": 0}}
     with open(os.path.join(s.folder(1), "layer_00.pt"), "wb") as f:  # torn after sealing: another size
         f.write(b"ab")
     assert set(s.complete()[1]["files"]) == {"meta.pt"}
@@ -248,3 +248,72 @@ def test_a_resume_drops_the_steps_the_stopped_run_left_after_it(tmp_path, monkey
     files = store.complete()[6]["files"]
     for name in names:
         assert store.read(6, name, files[name]) == new[name]
+
+
+def test_of_each_step_only_the_newest_generation_counts(tmp_path):
+    """Host B was cut off (its memory kept) while host A resumed from step 5 and wrote steps 6 and 7 again, in
+    generation 1. B still holds the old timeline's step 6 (generation 0), whole on its own. Counted, it would
+    complete A's unfinished new step 7 (same names and sizes, other bytes) or mix into step 6."""
+    from pdv_ext.recovery.store import step_entries
+
+    names = ["meta.pt", "layer_00.pt", "layer_01.pt"]
+    a, b = HostStore(str(tmp_path), "job", "hostA"), HostStore(str(tmp_path), "job", "hostB")
+    _step(b, 6, {n: b"old" for n in names}, rank=2, expected=names)  # the old timeline, generation 0
+    _step(b, 7, {"layer_01.pt": b"old"}, rank=2, expected=names)
+    _step(a, 6, {n: b"new" for n in names}, rank=0, expected=names, generation=1)
+    _step(a, 7, {"meta.pt": b"new", "layer_00.pt": b"new"}, rank=0, expected=names, generation=1)  # in flight
+    listings = {"hostA": a.complete(), "hostB": b.complete()}
+    assert newest_complete(listings) == 6  # not 7, which only B's old layer_01 would complete
+    assert missing_files(listings)[7] == ["layer_01.pt"]
+    assert set(step_entries(listings, 6)) == {"hostA"}  # B's step 6 is another timeline's: nothing fetched from it
+    # a resume on B fetches A's files of step 6 and seals them in their generation: B's old seal stops counting
+    entry = b.write(6, "layer_01.pt", b"new")
+    b.seal(6, 2, {"layer_01.pt": entry}, [], label="-fetched-layer_01.pt", generation=1)
+    assert b.complete()[6] == {"files": {"layer_01.pt": entry["sha256"]}, "expected": [], "generation": 1}
+
+
+def test_a_resume_starts_a_generation_and_fetches_over_an_old_timeline(tmp_path, monkeypatch):
+    """Two ranks, one per host; this process is rank 0 on host A. Host B comes back holding the old timeline's
+    step 6 whole; A holds the new one. Rank 0 must send B the new files (B's own do not count), the run's seals
+    from here on carry generation 2, and the step loaded is A's."""
+    from pdv_ext.integrations.deepspeed import snapshots as snap_mod
+    from pdv_ext.integrations.deepspeed.snapshots import Snapshots
+
+    names = ["meta.pt", "layer_00.pt", "layer_01.pt"]
+    a, b = HostStore(str(tmp_path), "job", "hostA"), HostStore(str(tmp_path), "job", "hostB")
+    _step(b, 6, {n: b"old" for n in names}, rank=1, expected=names)
+    _step(a, 6, {n: b"new" for n in names}, rank=0, expected=names, generation=1)
+
+    class TwoRanks:
+        @staticmethod
+        def get_world_size():
+            return 2
+
+        @staticmethod
+        def all_gather_object(out, obj):
+            if isinstance(obj, tuple):  # the listings
+                out[0], out[1] = obj, ("hostB", b.complete())
+            else:  # what each rank loads: rank 0 stage 0, rank 1 stage 1
+                out[0], out[1] = obj, ["layer_01.pt", "meta.pt"]
+
+        @staticmethod
+        def barrier(*a, **k):
+            pass
+
+    sent, loaded = [], []
+    monkeypatch.setattr(snap_mod, "dist", TwoRanks)
+    monkeypatch.setattr(snap_mod, "_send", lambda data, dst, group=None: sent.append((dst, data)))
+    monkeypatch.setattr(snap_mod, "load_layer_checkpoint", lambda eng, base, tag: loaded.append((base, tag)))
+    snaps = Snapshots.__new__(Snapshots)
+    snaps.store, snaps.hosts, snaps._thread, snaps._error = a, ["hostA", "hostB"], None, None
+
+    class Module:
+        parts = [0, 1, 2]
+
+    class Engine:
+        global_rank, stage_id, module = 0, 0, Module()
+
+    assert snaps.resume(Engine()) == 6
+    assert snaps.generation == 2
+    assert sent == [(1, b"new"), (1, b"new")]  # layer_01 and meta for host B: its old copies do not count
+    assert loaded == [(a.base, "step00000006")]

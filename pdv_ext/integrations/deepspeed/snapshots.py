@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ...recovery.keeper import Keeper
-from ...recovery.store import HostStore, SnapshotLost, missing_files, newest_complete, tag_of
+from ...recovery.store import (HostStore, SnapshotLost, generation_of, missing_files, newest_complete,
+                               newest_generation, step_entries, tag_of)
 from .checkpoint import load_layer_checkpoint, meta_of, stage_layer_entries
 from .layer_state import collect_is_collective
 from .safe_io import check_plain
@@ -177,6 +178,8 @@ class Snapshots:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self.resumed: Dict[str, float] = {}  # the last resume: its step and seconds
+        #: what this job's seals carry (recovery/store.py): 0, then one more than the newest seen at each resume
+        self.generation = 0
         self._plan: Optional[_Plan] = None  # who does what under the current plan (made at its first snapshot)
         # the process that writes this rank's files (background mode): started now, so that its imports overlap
         # the engine's start-up instead of holding up the first snapshot; closed on a rank that does not write
@@ -371,7 +374,7 @@ class Snapshots:
         t_send = time.perf_counter()
         _fault("seal", step, rank)
         if sealed:
-            store.seal(step, rank, sealed, expected)
+            store.seal(step, rank, sealed, expected, generation=self.generation)
         dist.barrier(group=group)  # every participant sealed this step: the older ones can go
         _fault("prune", step, rank)
         if rank in plan.meta_writers:
@@ -424,6 +427,9 @@ class Snapshots:
         by_host = {h: lst for h, lst in listings}
         if not any(by_host.values()):
             return None
+        # the steps this run writes from here on are a new timeline: they may reuse numbers an absent host still
+        # holds from the old one, and only a step's newest generation counts (every rank computes the same)
+        self.generation = newest_generation(by_host) + 1
         step = newest_complete(by_host)
         if step is None:
             lost = missing_files(by_host)
@@ -439,14 +445,17 @@ class Snapshots:
         dist.all_gather_object(need_by_rank, sorted(mine))
         holders: Dict[str, List[int]] = {}  # file -> ranks whose host has it, lowest first
         shas: Dict[str, str] = {}
-        for r, (h, lst) in enumerate(listings):
-            for name, sha in (lst.get(step) or {}).get("files", {}).items():
+        current = step_entries(by_host, step)  # the hosts that hold this step's newest generation
+        step_gen = generation_of(next(iter(current.values())))
+        for r, (h, _) in enumerate(listings):
+            for name, sha in (current.get(h) or {}).get("files", {}).items():
                 holders.setdefault(name, []).append(r)
                 shas.setdefault(name, sha)
-        local = set((store.complete().get(step) or {}).get("files", {}))
+        mine_now = store.complete().get(step) or {}
+        local = set(mine_now.get("files", {})) if generation_of(mine_now) == step_gen else set()
         for r in range(dist.get_world_size()):  # fetch what each rank's host lacks, in one global order
             host_r = listings[r][0]
-            have_r = set((by_host.get(host_r, {}).get(step) or {}).get("files", {}))
+            have_r = set((current.get(host_r) or {}).get("files", {}))
             for name in need_by_rank[r]:
                 if name in have_r or name not in holders:
                     continue
@@ -459,7 +468,7 @@ class Snapshots:
                         entry = store.write(step, name, data)
                         if entry["sha256"] != shas[name]:
                             raise SnapshotLost([f"snapshots: {name} of step {step} arrived damaged from rank {src}"])
-                        store.seal(step, rank, {name: entry}, [], label=f"-fetched-{name}")
+                        store.seal(step, rank, {name: entry}, [], label=f"-fetched-{name}", generation=step_gen)
                         local.add(name)
         files = (store.complete().get(step) or {}).get("files", {})
         for name in sorted(mine & set(files)):  # what this rank will load: checked before the loader reads it
