@@ -189,3 +189,22 @@ def test_the_scan_finds_each_kind_of_reach(tmp_path):
         bad.unlink()
     assert {f.split(": ", 1)[1] for f in found} == {"._exec_reduce_grads", "getattr(..., '_layer_specs')",
                                                     "patches .average_tensor", "._groups"}, found
+
+
+def test_release_shm_workspace_unlinks_this_ranks_name_only(tmp_path):
+    """DeepSpeed's CPU all-reduce workspace names: this rank's of this job goes (its memory stays mapped), the
+    other ranks' and other jobs' stay."""
+    import os
+
+    from pdv_ext.integrations.deepspeed.internals import SHM_WORKSPACE_PREFIX, release_shm_workspace
+
+    uid = os.getuid()
+    names = [f"{SHM_WORKSPACE_PREFIX}_{uid}_127.0.0.1_29500_{r}" for r in range(3)] + \
+        [f"{SHM_WORKSPACE_PREFIX}_{uid}_127.0.0.1_29501_1", f"{SHM_WORKSPACE_PREFIX}_{uid}_127.0.0.1_29500_11",
+         f"{SHM_WORKSPACE_PREFIX}_{uid + 1}_127.0.0.1_29500_1"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    removed = release_shm_workspace(1, port="29500", shm_dir=str(tmp_path))
+    assert [os.path.basename(p) for p in removed] == [names[1]]
+    assert sorted(os.listdir(tmp_path)) == sorted(n for n in names if n != names[1])
+    assert release_shm_workspace(1, port="29500", shm_dir=str(tmp_path)) == []  # gone already: nothing to do

@@ -685,4 +685,5 @@ def initialize(args: Any = None,
                         "no in-memory snapshot of this job: starting from scratch")
     from .summary import log_startup  # rank 0 logs what pdv_ext set up (one small collective)
     log_startup(engine, pdv_cfg)
+    internals.release_shm_workspace(engine.global_rank)  # every rank is past init_distributed (the collective)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
