@@ -107,11 +107,22 @@ def _rolling(values: List[float], k: int) -> List[float]:
     return [sum(values[max(0, i - k + 1): i + 1]) / len(values[max(0, i - k + 1): i + 1]) for i in range(len(values))]
 
 
+def event_lines(series: Dict[str, Any], kinds: Sequence[str]) -> List[Tuple[str, int, float]]:
+    """(run, event index, seconds since that run started) of every event each run met."""
+    out = []
+    for kind in kinds:
+        run = series[kind]
+        for n, e in enumerate(run.get("events_log", [])):
+            if e.get("applied") and e.get("wall") is not None:
+                out.append((kind, int(e.get("index", n)), float(e["wall"]) - float(run["start"])))
+    return out
+
+
 def plot_adapt(result_path: str, out: str, smooth: int = 3) -> List[str]:
     """samples/s over training time for the static, adaptive and oracle runs of `pdv bench adapt` (a rolling
-    mean over `smooth` steps), the events as vertical lines (when each run met them: the same offset from
-    its start, up to the emulator's polling), and the adaptive run's share changes as markers. Returns the
-    runs drawn."""
+    mean over `smooth` steps), the events as vertical lines in each run's colour (where that run met them:
+    an event placed by training step comes later in a slower run), and the adaptive run's decisions as
+    markers. Returns the runs drawn."""
     import json
 
     import matplotlib
@@ -149,13 +160,19 @@ def plot_adapt(result_path: str, out: str, smooth: int = 3) -> List[str]:
                 ax.annotate(text, (t[i], smoothed[i]),
                             textcoords="offset points", xytext=(6, 8), fontsize=8, color=colour, zorder=5,
                             bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.8))
-    run0 = series.get("static") or next(iter(series.values()))
-    for e in run0.get("events_log", []):
-        if e.get("applied") and e.get("wall") is not None:
-            x = e["wall"] - run0["start"]
-            ax.axvline(x, color="tab:red", ls="--", lw=1)
-            ax.text(x, ax.get_ylim()[1], " " + _event_label(res["events"][e["index"]]) if e.get("index") is not None
-                    and e["index"] < len(res.get("events", [])) else " event", color="tab:red", va="top", fontsize=9)
+    # each run met each event at its own time (events placed by training step arrive later in a slower run):
+    # a line per run in its colour where it did, the event named once, at the first of them
+    firsts: Dict[int, float] = {}
+    for kind, key, x in event_lines(series, drawn):
+        ax.axvline(x, color=RUN_STYLE[kind][0], ls="--", lw=1, alpha=0.8)
+        firsts[key] = min(x, firsts.get(key, x))
+    events = res.get("events", [])
+    for key, x in sorted(firsts.items()):
+        text = _event_label(events[key]) if isinstance(key, int) and key < len(events) else "event"
+        step = next((e.get("applied_step") for e in (series.get(drawn[0]) or {}).get("events_log", [])
+                     if e.get("index", None) == key and e.get("applied_step") is not None), None)
+        ax.text(x, ax.get_ylim()[1], f" {text}" + (f" (step {step})" if step is not None else ""),
+                color="tab:red", va="top", fontsize=9)
     ratio = res.get("adaptive_vs_static")
     title = f"pdv bench adapt: {res.get('scenario', '')}"
     if isinstance(ratio, (int, float)):

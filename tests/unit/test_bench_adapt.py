@@ -140,6 +140,17 @@ def test_plot_draws_the_three_runs(tmp_path):
     assert out.stat().st_size > 10_000
 
 
+def test_each_run_has_its_event_where_it_met_it():
+    """An event placed by training step comes later in a slower run: each run's line at its own time."""
+    from pdv_ext.plot import event_lines
+
+    fast = {"start": 100.0, "events_log": [{"index": 0, "applied": True, "wall": 110.0}]}
+    slow = {"start": 500.0, "events_log": [{"index": 0, "applied": True, "wall": 525.0},
+                                           {"index": 1, "applied": False, "wall": None}]}
+    assert event_lines({"static": fast, "oracle": slow}, ["static", "oracle"]) == \
+        [("static", 0, 10.0), ("oracle", 0, 25.0)]
+
+
 def test_a_move_is_reported_with_its_cost_and_predictions():
     res = _result()
     res["decisions"] = [{"step": 6, "replan": True, "boundaries": [0, 3, 6], "rank_mapping": [[1], [0]]}]
