@@ -42,6 +42,18 @@ class SnapshotsConfig(StrictModel):
                             "(TORCHELASTIC_RUN_ID set: every start of the workers, the first one finding none), "
                             "true always, false never")
 
+    in_place: bool = Field(
+        False, description="recover in these processes when a peer dies (no restart): the survivors agree on who "
+                           "is left through `store`, form a new process group, plan for themselves and resume from "
+                           "the newest complete snapshot; anything that fails on the way exits the process, and a "
+                           "restart (torchrun) resumes as without this")
+    store: Optional[str] = Field(
+        None, description="in_place: HOST:PORT of a TCPStore that outlives any training host (torchrun's "
+                          "--rdzv-endpoint on a host of its own); default PDV_RECOVERY_STORE, else "
+                          "PET_RDZV_ENDPOINT")
+    settle_s: float = Field(1.0, gt=0, description="in_place: seconds the survivors wait for each other after the "
+                                                    "first of them reports a failure")
+
     def root_dir(self) -> str:
         """`root`, unless the emulator gives this host its memory (PDV_HOST_MEMORY, `pdv emulate`'s elastic
         runs): then that folder, which the emulator wipes when the host is lost."""
@@ -58,3 +70,7 @@ class SnapshotsConfig(StrictModel):
         if self.resume == "auto":
             return bool(os.environ.get("TORCHELASTIC_RUN_ID"))
         return bool(self.resume)
+
+    def store_address(self) -> Optional[str]:
+        """`store`, else PDV_RECOVERY_STORE (`pdv emulate` sets it), else torchrun's PET_RDZV_ENDPOINT."""
+        return self.store or os.environ.get("PDV_RECOVERY_STORE") or os.environ.get("PET_RDZV_ENDPOINT") or None

@@ -27,6 +27,8 @@ from . import internals
 from .checkpoint import (CheckpointNotFound, load_layer_checkpoint, missing_checkpoint, plan_of, read_meta,
                          save_layer_checkpoint)
 from .glue import begin_step, build_glue
+from .inplace import recover as recover_in_place
+from .inplace import setup as setup_in_place
 from .snapshots import Snapshots, shared_rendezvous_store
 from .pdv_state import load_state, save_state
 from .move import move_engine
@@ -475,12 +477,19 @@ class PDVPipelineEngine(internals.EngineSeam):
 
     # -- policies and checkpoints (the logic lives in glue.py, pdv_state.py) -------------------------
     def train_batch(self, data_iter: Any = None) -> Any:
-        glue = begin_step(self, data_iter)
-        loss = super().train_batch(data_iter=data_iter)
-        if glue is not None:  # metrics, then the policies' actions, at this step boundary on every rank
-            glue.end(loss)
-        if self.pdv_snapshots is not None and self.pdv_snapshots.due(self):
-            self.pdv_snapshots.take(self)
+        try:
+            glue = begin_step(self, data_iter)
+            loss = super().train_batch(data_iter=data_iter)
+            if glue is not None:  # metrics, then the policies' actions, at this step boundary on every rank
+                glue.end(loss)
+            if self.pdv_snapshots is not None and self.pdv_snapshots.due(self):
+                self.pdv_snapshots.take(self)
+        except Exception as exc:
+            # pdv.snapshots.in_place: a peer died and the survivors went on in a new world, from the newest
+            # snapshot (this object now holds the rebuilt engine): the step again, from there
+            if runtime_of(self).in_place is not None and recover_in_place(self, exc):
+                return self.train_batch(data_iter)
+            raise
         return loss
 
     def discard_snapshots(self) -> None:
@@ -678,6 +687,7 @@ def initialize(args: Any = None,
         logger.warning("pdv.snapshots: torchrun shares one rendezvous store across restarts, where the restarted "
                        "workers find the last attempt's process-group addresses and fail to connect; launch "
                        "torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/recovery.md)")
+    runtime_of(engine).in_place = setup_in_place(engine, pdv_cfg.snapshots)  # (collective)
     if pdv_cfg.snapshots is not None and pdv_cfg.snapshots.resumes():  # torchrun restarted us: go on
         step = engine.resume_from_snapshots()
         if engine.global_rank == 0:

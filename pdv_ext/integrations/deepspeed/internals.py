@@ -45,6 +45,7 @@ REQUIRED_NAMES: List[Tuple[str, str]] = [
     ("deepspeed.runtime.pipe.topology", "ProcessTopology"),
     ("deepspeed.runtime.pipe", "p2p._groups"),
     ("deepspeed.runtime.pipe", "p2p._grid"),
+    ("deepspeed.runtime.pipe", "p2p._async"),
     ("deepspeed.utils", "groups.mpu"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.average_tensor"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.buffered_reduce_fallback"),
@@ -53,6 +54,7 @@ REQUIRED_NAMES: List[Tuple[str, str]] = [
 
 #: names some releases of the supported range lack; each use falls back (or refuses a feature) where missing
 OPTIONAL_NAMES: List[Tuple[str, str]] = [
+    ("deepspeed.utils", "groups._release_process_group_references"),  # not in 0.16.9 (forget_process_groups)
     ("deepspeed.runtime.engine", "DeepSpeedEngine._configure_python_gc"),  # 0.19.8
     ("deepspeed.runtime.engine", "DeepSpeedEngine._backward_prologue_per_tensor"),  # 0.19.3
     ("deepspeed", "set_optimizer_flags"),  # 0.17.6
@@ -327,6 +329,38 @@ def p2p_globals() -> Tuple[Any, Any, Any]:
 
 def restore_p2p_globals(saved: Tuple[Any, Any, Any]) -> None:
     p2p._groups, p2p._grid, ds_groups.mpu = saved
+
+
+#: DeepSpeed's cached groups (deepspeed.utils.groups): single ones, and dicts of them
+_DS_GROUP_GLOBALS = ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP",
+                     "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "mpu", "mesh_device")
+_DS_GROUP_DICTS = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                   "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP")
+
+
+def forget_process_groups() -> None:
+    """Drop the world and every group made from it, in torch and in DeepSpeed's module caches, without
+    waiting on them (a peer is gone: a collective on them would fail or hang). torch's
+    `_abort_process_group` aborts what can be aborted (NCCL; gloo cannot be) and clears its group maps, so
+    the next `init_process_group` starts a new world; DeepSpeed's group caches (its
+    `_release_process_group_references` where the release has it, the same names by hand where not) and the p2p
+    globals are reset, so the next engine builds its own."""
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d._abort_process_group()
+    release = getattr(ds_groups, "_release_process_group_references", None)
+    if release is not None:
+        release(None)
+    else:
+        for name in _DS_GROUP_GLOBALS:
+            if hasattr(ds_groups, name):
+                setattr(ds_groups, name, None)
+        for name in _DS_GROUP_DICTS:
+            value = getattr(ds_groups, name, None)
+            if isinstance(value, dict):
+                value.clear()
+    p2p._groups, p2p._grid = None, None
+    p2p._async.clear()
 
 
 _FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",

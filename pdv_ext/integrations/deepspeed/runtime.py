@@ -22,6 +22,8 @@ class EngineRuntime:
     pending_replica: Optional[Tuple[int, int]] = None
     #: Zeno's validation runner (validation.PipelineValidation), built at first use
     validation: Any = None
+    #: in-place recovery's state (inplace.InPlace) under `pdv.snapshots.in_place`
+    in_place: Any = None
 
 
 def runtime_of(engine: Any) -> EngineRuntime:

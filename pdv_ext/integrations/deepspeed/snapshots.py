@@ -177,6 +177,9 @@ class Snapshots:
                        else None)  # a peer that died mid-snapshot fails the thread's wait, not holds it for good
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        # set by `abandon` (in-place recovery): the snapshot in flight, if any, seals nothing after that
+        self._abandoned = False
+        self._seal_lock = threading.Lock()
         self.resumed: Dict[str, float] = {}  # the last resume: its step and seconds
         #: what this job's seals carry (recovery/store.py): 0, then one more than the newest seen at each resume
         self.generation = 0
@@ -374,7 +377,10 @@ class Snapshots:
         t_send = time.perf_counter()
         _fault("seal", step, rank)
         if sealed:
-            store.seal(step, rank, sealed, expected, generation=self.generation)
+            with self._seal_lock:
+                if self._abandoned:  # the world it was part of is gone: its step stays unsealed here
+                    raise RuntimeError(f"snapshot of step {step} abandoned (in-place recovery)")
+                store.seal(step, rank, sealed, expected, generation=self.generation)
         dist.barrier(group=group)  # every participant sealed this step: the older ones can go
         _fault("prune", step, rank)
         if rank in plan.meta_writers:
@@ -398,6 +404,17 @@ class Snapshots:
         t = torch.tensor([seconds, step_s], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return auto_interval(float(t[0]), float(t[1]), self.cfg.max_every)
+
+    def abandon(self) -> None:
+        """Leave this object's snapshots to themselves, without waiting (a peer died: the snapshot in flight
+        may wait on it until its timeout): nothing more is sealed, the keeper is closed. In-place recovery
+        then builds a new engine, with a `Snapshots` of its own."""
+        with self._seal_lock:
+            self._abandoned = True
+        if self._keeper is not None:
+            self._keeper.close()
+            self._keeper = None
+        self._thread = None
 
     def discard(self, eng: Any) -> None:
         """Remove this job's snapshots from every host's memory (collective; at the end of training: they are

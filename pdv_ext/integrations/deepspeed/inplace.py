@@ -1,0 +1,207 @@
+"""In-place recovery of a pipeline engine (`pdv.snapshots.in_place`): a peer died, the survivors go on.
+
+`PDVPipelineEngine.train_batch` calls `recover(engine, error)` when a step failed with what a lost peer does
+to a collective. The survivors then, in their own processes (pdv_ext/recovery/inplace.py has the why):
+1. agree on who is left over the recovery store (`agree`): everyone there -> not a lost peer, the error is
+   raised as it was; fewer than half -> raised too (this rank is more likely the odd one out than the world);
+2. leave the snapshot in flight to itself (it seals nothing from then on: it had the agreement's time to
+   finish, and a snapshot that needs the lost peer never will);
+3. forget every process group, form the survivors' world on the recovery store;
+4. plan for it: the start-up planner where `pdv.placement.cluster` describes the devices (the lost ones are
+   not asked for), else the same stage boundaries with the survivors row-major over them;
+5. build the new stage and engine as a move does, and load the newest complete snapshot into it;
+6. hand the user's engine object the new state (as a move does) and the data position to their iterator.
+Anything that fails on the way exits the process (`EXIT_CODE`): a launcher's restart then resumes from the
+snapshots as it would have without this, never from a half-built engine.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.config import DeepSpeedConfig
+
+from ...config_base import ConfigError
+from ...log import logger
+from ...placement.plan import Layout, row_major_mapping
+from ...recovery.inplace import agree, connect
+from . import internals
+from .checkpoint import plan_of
+from .move import _engine_config, _optimizer_for
+from .runtime import runtime_of
+from .topology import MappedTopology, build_stage_layers, link_tied_layers
+
+#: the exit status of a rank that could not recover in place (its launcher restarts it)
+EXIT_CODE = 75
+
+#: what a collective raises when a peer's process or host is gone (gloo's and NCCL's own words): any other
+#: error is the user's or ours, and is raised as it is
+_LOST_PEER_WORDS = ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "Timed out",
+                    "timed out", "gloo", "NCCL", "ProcessGroup", "peer")
+
+
+@dataclass
+class InPlace:
+    """One rank's in-place recovery state, kept in the engine's runtime (a recovery carries it over)."""
+    store: Any  # the recovery store, keys under this job's and epoch's prefix
+    settle_s: float
+    timeout_s: float
+    generation: int = 0
+    #: the global step at which the last recovery resumed (a failure of the first step after it is raised)
+    resumed_at: Optional[int] = None
+    recoveries: List[Dict[str, Any]] = field(default_factory=list)
+
+
+def setup(engine: Any, cfg: Any) -> Optional[InPlace]:
+    """At start-up (collective): the recovery store's client, under a prefix rank 0 draws for this life of the
+    job. None unless `pdv.snapshots.in_place`."""
+    if cfg is None or not cfg.in_place:
+        return None
+    address = cfg.store_address()
+    if not address:
+        raise ConfigError(["pdv.snapshots.store: in_place needs a store that outlives the training hosts "
+                           "(HOST:PORT; or set PDV_RECOVERY_STORE, or launch with torchrun --rdzv-endpoint)"])
+    box = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    store = connect(address, f"pdv-inplace/{cfg.job_name()}/{box[0]}/", timeout_s=cfg.timeout)
+    return InPlace(store=store, settle_s=cfg.settle_s, timeout_s=cfg.timeout)
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether `error` is what a collective raises when a peer is gone (a torch distributed error, or gloo's or
+    NCCL's words for a closed or silent connection)."""
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(error, dist_error):
+        return True
+    return isinstance(error, RuntimeError) and any(w in str(error) for w in _LOST_PEER_WORDS)
+
+
+def recover(engine: Any, error: BaseException) -> bool:
+    """Recover `engine` in place after `error` (see the module docstring). True: recovered, run the step again;
+    False: not a lost peer, raise `error`. Exits the process when recovery itself fails."""
+    rt = runtime_of(engine)
+    ip: Optional[InPlace] = getattr(rt, "in_place", None)
+    if ip is None or not lost_peer(error):
+        return False
+    if ip.resumed_at is not None and int(engine.global_steps) == ip.resumed_at:
+        logger.error("pdv in-place recovery: the first step after the last recovery failed too; leaving")
+        return False
+    t0 = time.perf_counter()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    backend = dist.get_backend()
+    gen = ip.generation + 1
+    members = agree(ip.store, gen, rank, world, ip.settle_s)
+    t_agree = time.perf_counter()
+    if engine.pdv_snapshots is not None:  # (the snapshot in flight had the agreement's time to be sealed)
+        engine.pdv_snapshots.abandon()
+    if len(members) == world or 2 * len(members) < world:
+        logger.error(f"pdv in-place recovery: {len(members)} of {world} ranks reported after the error; "
+                     + ("none is lost" if len(members) == world else "too few to be the survivors"))
+        return False
+    try:
+        report = _rebuild(engine, ip, gen, members, backend)
+    except BaseException:  # noqa: BLE001 - never go on with a half-built engine: the launcher restarts us
+        traceback.print_exc()
+        logger.error("pdv in-place recovery failed; exiting for a restart from the snapshots")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_CODE)
+    report.update(detect_error=str(error).splitlines()[0][:200], agree_s=t_agree - t0,
+                  seconds=time.perf_counter() - t0, old_rank=rank, old_world=world)
+    new_ip: InPlace = runtime_of(engine).in_place
+    new_ip.recoveries.append(report)
+    if dist.get_rank() == 0:
+        logger.info(f"pdv: recovered in place at step {report['step']}: world {world} -> {len(members)} "
+                    f"(lost ranks {sorted(set(range(world)) - set(members))}), plan {report['plan']}, "
+                    f"{report['seconds']:.2f} s")
+    return True
+
+
+def _plan(engine: Any, new_world: int) -> Dict[str, Any]:
+    """Stage boundaries and rank mapping for the survivors (see the module docstring)."""
+    old = plan_of(engine)
+    cluster = engine.pdv_config.placement.cluster
+    if cluster is not None:
+        from ...placement.startup import plan_for_module  # the lost devices are not among the ranks asking
+
+        plan = plan_for_module(engine.module, engine.pdv_config.placement, layers=internals.layer_specs(engine.module))
+        return {"boundaries": list(plan["boundaries"]), "rank_mapping": [list(r) for r in plan["rank_mapping"]]}
+    stages = len(old["rank_mapping"])
+    if new_world % stages:
+        raise ConfigError([f"in-place recovery: {new_world} ranks left cannot run the {stages} stages of the "
+                           f"plan (set pdv.placement.cluster to let the planner choose another depth)"])
+    return {"boundaries": list(old["boundaries"]), "rank_mapping": row_major_mapping(stages, new_world)}
+
+
+def _rebuild(engine: Any, ip: InPlace, gen: int, members: List[int], backend: str) -> Dict[str, Any]:
+    from torch.distributed import PrefixStore
+
+    times: Dict[str, float] = {}
+    mark = [time.perf_counter()]
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        times[name] = now - mark[0]
+        mark[0] = now
+
+    new_rank, new_world = members.index(dist.get_rank()), len(members)
+    internals.forget_process_groups()
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(new_rank), str(new_world)
+    dist.init_process_group(backend, store=PrefixStore(f"g{gen}/pg/", ip.store), rank=new_rank,
+                            world_size=new_world, timeout=timedelta(seconds=ip.timeout_s))
+    lap("group_s")
+    plan = _plan(engine, new_world)
+    new = internals.module_copy(engine)
+    topo = MappedTopology(plan["rank_mapping"])
+    internals.set_topology(new, topo)
+    rng = torch.get_rng_state()  # building layers re-seeds it (seed_layers)
+    try:
+        build_stage_layers(new, plan["boundaries"], topo.get_coord(new_rank).pipe)
+    finally:
+        torch.set_rng_state(rng)
+    new._pdv_placement = Layout(plan["boundaries"], plan["rank_mapping"]).to_dict()
+    link_tied_layers(new)
+    build = runtime_of(engine).build
+    given = build.get("model_parameters")
+    if isinstance(given, (list, tuple)) and given and all(isinstance(g, dict) for g in given):
+        raise ConfigError(["in-place recovery: parameter groups (model_parameters as dicts) are not carried over "
+                           "yet; pass model.parameters()"])
+    params = [p for p in new.parameters() if p.requires_grad]
+    cfg = _engine_config(engine, len(plan["rank_mapping"][0]))
+    built = type(engine)(args=build["args"], model=new, optimizer=_optimizer_for(build, params),
+                         model_parameters=params, training_data=build["training_data"],
+                         lr_scheduler=build["lr_scheduler"], mpu=new.mpu(),
+                         dist_init_required=build["dist_init_required"], collate_fn=build["collate_fn"],
+                         config=cfg, config_class=DeepSpeedConfig(cfg, new.mpu()),
+                         pdv_config=engine.pdv_config.model_copy(update={"data_shares": "equal"}),
+                         validation_iter=engine.validation_iter)
+    internals.configure_python_gc(built)
+    runtime_of(built).build = {**build, "model_parameters": params}
+    lap("engine_s")
+    if built.pdv_snapshots is None:
+        raise ConfigError(["in-place recovery needs pdv.snapshots"])
+    step = built.pdv_snapshots.resume(built)
+    if step is None:
+        raise RuntimeError("in-place recovery: no snapshot of this job on the survivors' hosts")
+    lap("resume_s")
+    it = engine.data_iterator
+    internals.swap_engine_state(engine, engine.module, built, new)
+    glue = getattr(engine, "pdv_policy", None)
+    if glue is not None:
+        glue.rebind(engine)
+    if engine.is_first_stage() or engine.is_last_stage():
+        engine.data_iterator = it
+    rt = runtime_of(engine)
+    rt.pending_replica = (engine.grid.get_data_parallel_id(), engine.grid.get_data_parallel_world_size())
+    ip.generation, ip.resumed_at = gen, int(step)
+    rt.in_place = ip
+    lap("commit_s")
+    return {"step": int(step), "generation": gen, "world": new_world, "plan": plan, **times}
