@@ -141,10 +141,18 @@ def _summary(run: Dict[str, Any], steps: int) -> Dict[str, Any]:
     if first is not None and t_kill is not None:
         s = starts[-1]
         out["recovery_s"] = round(first - t_kill, 2)
-        out["recovery_parts_s"] = {"restart": round(s["t_process"] - t_kill, 2),
-                                   "startup": round(s["t_ready"] - s["t_process"], 2),
-                                   "state_load": round(s["resume_s"], 2),
-                                   "first_step": round(first - s["t_ready"] - s["resume_s"], 2)}
+        if s.get("in_place"):  # the survivors went on in their processes: no restart, no start-up
+            out["in_place"] = True
+            out["recovery_parts_s"] = {"detection": round(s["t_process"] - t_kill, 2),
+                                       "agreement": round(s["parts"]["agree_s"], 2),
+                                       "group_and_engine": round(s["parts"]["group_s"] + s["parts"]["engine_s"], 2),
+                                       "state_load": round(s["resume_s"], 2),
+                                       "first_step": round(first - s["t_ready"] - s["resume_s"], 2)}
+        else:
+            out["recovery_parts_s"] = {"restart": round(s["t_process"] - t_kill, 2),
+                                       "startup": round(s["t_ready"] - s["t_process"], 2),
+                                       "state_load": round(s["resume_s"], 2),
+                                       "first_step": round(first - s["t_ready"] - s["resume_s"], 2)}
     intervals = [e["snapshot"]["interval"] for e in lines if "snapshot" in e and e["attempt"] == 0]
     if intervals:  # the snapshots' spacing before the loss (every: auto chooses it)
         out["snapshot_interval"] = statistics.median(intervals)
@@ -214,10 +222,12 @@ def _survivor_summary(run: Dict[str, Any], steps: int, device: str) -> Dict[str,
 
 
 def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str], hidden: int,
-                 out: Optional[str] = None, every: str = "1", startup_on_host: bool = True) -> Dict[str, Any]:
+                 out: Optional[str] = None, every: str = "1", startup_on_host: bool = True,
+                 in_place_timeout: Optional[float] = None) -> Dict[str, Any]:
     """Every way of the scenario in one job. `startup_on_host`: the workers' start-up (imports, rendezvous,
     the model) runs on their host's CPU, as on real hosts, not under a slow device's quota (`pdv emulate
-    --startup-on-host`), in every way alike."""
+    --startup-on-host`), in every way alike. `in_place_timeout`: the recovered way recovers in place, and
+    every way's process groups time out after that many seconds."""
     sc, cluster_path, cluster, lost, left = _scenario(path)
     steps = steps or sc.run.steps
     lose_at = lost.at_step
@@ -229,8 +239,10 @@ def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str
     work = tempfile.mkdtemp(prefix="pdv-bench-faults-")
     res: Dict[str, Any] = {"scenario": os.path.basename(path), "steps": steps, "lose_at": lose_at,
                            "lost": lost.target, "devices_left": len(left), "pipe": sc.run.pipe,
-                           "snapshot_every": every, "startup_on_host": startup_on_host}
-    base = ["--steps", str(steps), "--pipe", str(sc.run.pipe), "--hidden", str(hidden)]
+                           "snapshot_every": every, "startup_on_host": startup_on_host,
+                           "in_place": in_place_timeout is not None}
+    base = ["--steps", str(steps), "--pipe", str(sc.run.pipe), "--hidden", str(hidden)] + \
+        (["--pg-timeout", str(in_place_timeout)] if in_place_timeout is not None else [])
     series: Dict[str, Any] = {}
     try:
         ev = os.path.join(work, "events.yaml")
@@ -241,7 +253,8 @@ def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str
             if kind in only:
                 log(f"[bench faults] {kind}: {lost.target} lost after step {lose_at}")
                 run = _emulate(work, kind, cluster_path, ev,
-                               base + ["--root", os.path.join(work, f"{kind}-root"), "--mode", mode, "--every", every],
+                               base + ["--root", os.path.join(work, f"{kind}-root"), "--mode", mode, "--every", every]
+                               + (["--in-place"] if kind == "recovered" and in_place_timeout is not None else []),
                                timeout, startup_on_host)
                 res[kind] = _survivor_summary(run, steps, watch)
                 series[kind] = _series(run["logs"][watch], run["t_kill"])
@@ -327,12 +340,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--scenario", default=None, metavar="FILE",
                     help="a fault scenario (launch/scenarios/host_loss.yaml, device_loss.yaml) on the emulated "
                          "cluster (root): its fault played by `pdv emulate`; --steps overrides its run's steps")
+    ap.add_argument("--in-place", action="store_true",
+                    help="--scenario: the recovered way recovers in place (pdv.snapshots.in_place: the survivors "
+                         "go on in their processes, no torchrun restart); every way's process groups time out "
+                         "after --pg-timeout")
+    ap.add_argument("--pg-timeout", type=float, default=60.0,
+                    help="--scenario --in-place: seconds a collective waits for a silent peer (default 60)")
     ap.add_argument("--startup-on-device", action="store_true",
                     help="--scenario: run the workers' start-up under their device's CPU quota too (before "
                          "2026-11-28; default: on their host's CPU, `pdv emulate --startup-on-host`)")
     args = ap.parse_args(argv)
     if args.every != "auto" and not (args.every.isdigit() and int(args.every) >= 1):
         ap.error(f"--every {args.every!r}: a number of steps >= 1, or auto")
+    if args.in_place and not args.scenario:
+        ap.error("--in-place: needs --scenario (the emulated cluster: one torchrun agent per device, which a lost "
+                 "device takes with it, so the survivors' agents leave their workers running)")
+    if not (math.isfinite(args.pg_timeout) and args.pg_timeout > 0):
+        ap.error(f"--pg-timeout must be a number of seconds > 0 (got {args.pg_timeout:g})")
     if args.scenario:
         from ..config_base import ConfigError
         from ..emulate.launcher import EmulationUnavailable, check_available
@@ -341,7 +365,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         try:
             check_available()  # not root, or no netns / tc / cgroups: one line now, not a failure per way later
             res = run_scenario(args.scenario, args.steps, args.timeout, kinds, args.hidden, args.out, args.every,
-                               not args.startup_on_device)
+                               not args.startup_on_device, args.pg_timeout if args.in_place else None)
         except ConfigError as exc:
             for line in exc.errors:
                 print(f"pdv bench faults: {line}", file=sys.stderr)

@@ -31,6 +31,11 @@ def main() -> None:
     ap.add_argument("--host-tag", default="", help="(marks a host's processes for the bench)")
     ap.add_argument("--pipe", type=int, default=2, help="pipeline stages (the rest of the world: replicas)")
     ap.add_argument("--every", default="1", help="snapshots: steps between them, or auto")
+    ap.add_argument("--in-place", action="store_true",
+                    help="snapshots: recover in place (pdv.snapshots.in_place): the survivors go on in their "
+                         "processes; a start record marks each recovery")
+    ap.add_argument("--pg-timeout", type=float, default=0.0,
+                    help="the process group's timeout in seconds (0: DeepSpeed's; a silent peer is noticed then)")
     args = ap.parse_args()
 
     import deepspeed
@@ -42,7 +47,12 @@ def main() -> None:
     from pdv_ext.models import mlp_layers, seed_layer
     from pdv_ext.policy.data import ElasticBatches
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    if args.pg_timeout:
+        from datetime import timedelta
+
+        deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=args.pg_timeout))
+    else:
+        deepspeed.init_distributed(dist_backend="gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = world // args.pipe
     g = torch.Generator().manual_seed(5)
@@ -56,7 +66,8 @@ def main() -> None:
                                                                 for s in range(args.pipe)]}}
     if args.mode == "snapshots":
         pdv["snapshots"] = {"root": args.root, "job": "bench-faults",
-                            "every": args.every if args.every == "auto" else int(args.every)}
+                            "every": args.every if args.every == "auto" else int(args.every),
+                            "in_place": args.in_place}
     # 96 samples a step: 12 micro-batches over the replicas, whether 4, 3, 2 or 1 are left
     cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 12 // dp, "steps_per_print": 10 ** 9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, "gradient_clipping": 1.0,
@@ -84,9 +95,18 @@ def main() -> None:
                               "master": [os.environ.get("MASTER_ADDR"), int(os.environ.get("MASTER_PORT", 0))]})
                   + "\n")
         mark_step(int(engine.global_steps))  # under `pdv emulate`, events placed at_step count these steps
+        recovered = 0
         while engine.global_steps < last:
             loss = float(engine.train_batch(data_iter=data))
-            rec = {"attempt": attempt, "step": int(engine.global_steps), "loss": loss, "t": time.time()}
+            t_step = time.time()
+            ip = engine.pdv_runtime.in_place
+            for r in (ip.recoveries[recovered:] if ip is not None else []):  # recovered in place in that step
+                attempt, recovered = attempt + 1, recovered + 1
+                log.write(json.dumps({"attempt": attempt, "world": r["world"], "start": r["step"], "in_place": True,
+                                      "t_process": r["t_start"], "t_ready": r["t_ready"], "resume_s": r["resume_s"],
+                                      "parts": {k: round(r[k], 4) for k in ("agree_s", "group_s", "engine_s",
+                                                                            "resume_s", "commit_s")}}) + "\n")
+            rec = {"attempt": attempt, "step": int(engine.global_steps), "loss": loss, "t": t_step}
             if engine.pdv_snapshots is not None and engine.pdv_snapshots.last:  # the previous snapshot's parts
                 rec["snapshot"] = {k: round(v, 4) for k, v in engine.pdv_snapshots.last.items()}
             log.write(json.dumps(rec) + "\n")

@@ -67,7 +67,9 @@ def agent_env(rank_env: Dict[str, str], host_memory: str) -> Dict[str, str]:
     """A rank's environment for its agent: torchrun sets the launcher variables; the store is not shared
     with the workers (the workers' own store is on rank 0's device, the agents' on the store host)."""
     env = {k: v for k, v in rank_env.items() if k not in WORKER_KEYS}
-    env.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", MEMORY_ENV: host_memory})
+    # pdv.snapshots.in_place: the survivors meet on the store host's store, which no emulated host's loss takes
+    env.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", MEMORY_ENV: host_memory,
+                "PDV_RECOVERY_STORE": f"{STORE_IP}:{STORE_PORT}"})
     return env
 
 

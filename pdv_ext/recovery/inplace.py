@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import timedelta
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 from ..config_base import ConfigError
 
@@ -37,13 +37,13 @@ def parse_address(address: str) -> "tuple[str, int]":
     return host.strip("[]"), int(port)
 
 
-def connect(address: str, prefix: str, timeout_s: float = 30.0) -> Any:
-    """A client of the TCPStore at `address` (HOST:PORT), its keys under `prefix`."""
+def connect(address: str, prefix: Optional[str] = None, timeout_s: float = 30.0) -> Any:
+    """A client of the TCPStore at `address` (HOST:PORT), its keys under `prefix` (None: no prefix)."""
     from torch.distributed import PrefixStore, TCPStore
 
     host, port = parse_address(address)
-    return PrefixStore(prefix, TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                        timeout=timedelta(seconds=timeout_s)))
+    store = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    return store if prefix is None else PrefixStore(prefix, store)
 
 
 def agree(store: Any, gen: int, rank: int, world: int, settle_s: float, poll_s: float = 0.02,
@@ -68,3 +68,32 @@ def agree(store: Any, gen: int, rank: int, world: int, settle_s: float, poll_s: 
         raise NotASurvivor(f"pdv in-place recovery: rank {rank} reported after the survivors of generation "
                            f"{gen - 1} had decided without it ({members}); leaving for a restart")
     return members
+
+
+# ---------------------------------------------------------------------------------------------------
+# torchrun's agents (torch.distributed.elastic): private layouts, named here only
+# ---------------------------------------------------------------------------------------------------
+#: the exit barrier every agent of a rendezvous round joins when its workers are done (torch's
+#: `SimpleElasticAgent._exit_barrier`: `store_util.barrier` over that round's agents, 300 s by default)
+EXIT_BARRIER_PREFIX = "torchelastic/agent/terminal_state"
+
+
+def rendezvous_round(store: Any, run_id: str) -> int:
+    """The c10d rendezvous' current round of `run_id`: its state, pickled and base64-encoded under
+    `torch.rendezvous.<run_id>` (c10d_rendezvous_backend.py, dynamic_rendezvous.py's `_RendezvousState`)."""
+    import base64
+    import pickle
+
+    state = pickle.loads(base64.b64decode(store.get(f"torch.rendezvous.{run_id}")))
+    return int(state.round)
+
+
+def fill_exit_barrier(store: Any, run_id: str, lost_agents: int, world_agents: int) -> None:
+    """Check the `lost_agents` agents that died with their hosts into the exit barrier of the rendezvous'
+    current round (`store`: the rendezvous store, no prefix). Without it the survivors' agents, whose workers
+    went on without a restart, wait the barrier's whole timeout for them at the end (300 s)."""
+    if lost_agents <= 0:
+        return
+    prefix = f"torch.rendezvous.{run_id}.{rendezvous_round(store, run_id)}/{EXIT_BARRIER_PREFIX}"
+    if store.add(f"{prefix}/num_members", lost_agents) >= world_agents:  # (as torch's barrier: the last one in)
+        store.set(f"{prefix}/last_member", "<val_ignored>")

@@ -635,6 +635,7 @@ def test_a_fault_timeline_runs_elastic_and_says_so(spec, tmp_path, capsys):
     assert "$$" not in " ".join(cmd)  # torchrun reads $$ in a worker's arguments as an escaped $
     env = elastic.agent_env(em.rank_env(2), "/mem/b")
     assert "RANK" not in env and env["PDV_DEVICE_NAME"] == "slow0" and env[elastic.MEMORY_ENV] == "/mem/b"
+    assert env["PDV_RECOVERY_STORE"] == f"{elastic.STORE_IP}:{elastic.STORE_PORT}"  # in-place recovery meets there
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({**CLUSTER, "events": [{"at_step": 5, "device": "slow1", "down": True}]}))
     assert cli.main(["--cluster", str(path), "--dry-run", "--top-share", "0.5"]) == 0

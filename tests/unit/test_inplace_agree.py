@@ -75,3 +75,63 @@ def test_a_bad_store_address_names_the_key(bad):
     with pytest.raises(ConfigError, match="pdv.snapshots.store"):
         parse_address(bad)
     assert parse_address("10.0.0.1:29400") == ("10.0.0.1", 29400)
+
+
+def test_the_lost_agents_are_checked_into_torchruns_exit_barrier(server):
+    """torch's own exit barrier (elastic/utils/store.barrier, as SimpleElasticAgent._exit_barrier calls it, on the
+    rendezvous round's prefix) lets the two surviving agents of four go once the two lost ones are checked in;
+    without that it waits out its timeout."""
+    import base64
+    import pickle
+    import time
+
+    from torch.distributed import PrefixStore
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+    from torch.distributed.elastic.utils import store as store_util
+
+    from pdv_ext.recovery.inplace import EXIT_BARRIER_PREFIX, fill_exit_barrier, rendezvous_round
+
+    host, port = parse_address(server)
+    raw = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    state = _RendezvousState()
+    state.round = 3
+    raw.set("torch.rendezvous.job7", base64.b64encode(pickle.dumps(state)).decode())
+    assert rendezvous_round(raw, "job7") == 3
+
+    def agents(n, timeout):
+        errs = []
+
+        def one():
+            try:
+                store_util.barrier(PrefixStore(f"torch.rendezvous.job7.{state.round}", raw), world_size=4,
+                                   key_prefix=EXIT_BARRIER_PREFIX, barrier_timeout=timeout)
+            except Exception as exc:  # noqa: BLE001
+                errs.append(exc)
+
+        ts = [threading.Thread(target=one) for _ in range(n)]
+        t0 = time.monotonic()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        return errs, time.monotonic() - t0
+
+    errs, _ = agents(2, timeout=1.0)  # nobody filled in the lost two: the barrier times out
+    assert len(errs) == 2
+    state.round = 4
+    raw.set("torch.rendezvous.job7", base64.b64encode(pickle.dumps(state)).decode())
+    fill_exit_barrier(raw, "job7", lost_agents=2, world_agents=4)
+    errs, took = agents(2, timeout=20.0)
+    assert not errs and took < 5.0
+
+
+def test_only_what_a_lost_peer_raises_starts_a_recovery():
+    from pdv_ext.integrations.deepspeed.inplace import lost_peer
+
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:5339: "
+                        "Connection reset by peer")
+    assert lost_peer(gloo) and lost_peer(RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out "
+                                                      "waiting 60000ms for recv operation to complete"))
+    assert not lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x2)"))
+    assert not lost_peer(ValueError("Connection reset"))  # not what a collective raises
+    assert not lost_peer(KeyError("labels"))

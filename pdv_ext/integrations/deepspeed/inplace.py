@@ -32,7 +32,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from ...config_base import ConfigError
 from ...log import logger
 from ...placement.plan import Layout, row_major_mapping
-from ...recovery.inplace import agree, connect
+from ...recovery.inplace import agree, connect, fill_exit_barrier
 from . import internals
 from .checkpoint import plan_of
 from .move import _engine_config, _optimizer_for
@@ -54,6 +54,12 @@ class InPlace:
     store: Any  # the recovery store, keys under this job's and epoch's prefix
     settle_s: float
     timeout_s: float
+    raw_store: Any = None  # the same store without the prefix (torchrun's rendezvous store, if it is that)
+    #: each rank's torchrun agent (GROUP_RANK), by rank: an agent lost with all its workers is checked into
+    #: the exit barrier for the survivors' agents (None: not under torchrun)
+    agents: Optional[List[int]] = None
+    #: the agents of the rendezvous round (the exit barrier's size: a recovery does not start a new round)
+    round_agents: int = 0
     generation: int = 0
     #: the global step at which the last recovery resumed (a failure of the first step after it is raised)
     resumed_at: Optional[int] = None
@@ -71,8 +77,15 @@ def setup(engine: Any, cfg: Any) -> Optional[InPlace]:
                            "(HOST:PORT; or set PDV_RECOVERY_STORE, or launch with torchrun --rdzv-endpoint)"])
     box = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    store = connect(address, f"pdv-inplace/{cfg.job_name()}/{box[0]}/", timeout_s=cfg.timeout)
-    return InPlace(store=store, settle_s=cfg.settle_s, timeout_s=cfg.timeout)
+    agents: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(agents, os.environ.get("GROUP_RANK") if os.environ.get("TORCHELASTIC_RUN_ID") else None)
+    raw = connect(address, timeout_s=cfg.timeout)
+    from torch.distributed import PrefixStore
+
+    return InPlace(store=PrefixStore(f"pdv-inplace/{cfg.job_name()}/{box[0]}/", raw), settle_s=cfg.settle_s,
+                   timeout_s=cfg.timeout, raw_store=raw,
+                   agents=[int(a) for a in agents] if all(a is not None for a in agents) else None,
+                   round_agents=len({a for a in agents if a is not None}))
 
 
 def lost_peer(error: BaseException) -> bool:
@@ -94,7 +107,7 @@ def recover(engine: Any, error: BaseException) -> bool:
     if ip.resumed_at is not None and int(engine.global_steps) == ip.resumed_at:
         logger.error("pdv in-place recovery: the first step after the last recovery failed too; leaving")
         return False
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
     backend = dist.get_backend()
     gen = ip.generation + 1
@@ -106,6 +119,7 @@ def recover(engine: Any, error: BaseException) -> bool:
         logger.error(f"pdv in-place recovery: {len(members)} of {world} ranks reported after the error; "
                      + ("none is lost" if len(members) == world else "too few to be the survivors"))
         return False
+    old_agents = ip.agents
     try:
         report = _rebuild(engine, ip, gen, members, backend)
     except BaseException:  # noqa: BLE001 - never go on with a half-built engine: the launcher restarts us
@@ -114,8 +128,17 @@ def recover(engine: Any, error: BaseException) -> bool:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_CODE)
-    report.update(detect_error=str(error).splitlines()[0][:200], agree_s=t_agree - t0,
-                  seconds=time.perf_counter() - t0, old_rank=rank, old_world=world)
+    report.update(detect_error=(str(error).splitlines() or [""])[0][:200], agree_s=t_agree - t0,
+                  seconds=time.perf_counter() - t0, old_rank=rank, old_world=world, t_start=wall0,
+                  t_ready=time.time() - report["resume_s"] - report["commit_s"])
+    if old_agents is not None and dist.get_rank() == 0:  # torchrun: the lost agents, for the survivors' exit
+        lost = set(old_agents) - {old_agents[r] for r in members}
+        try:
+            fill_exit_barrier(ip.raw_store, os.environ["TORCHELASTIC_RUN_ID"], len(lost), ip.round_agents)
+            report["exit_barrier_filled"] = len(lost)
+        except Exception as exc:  # noqa: BLE001 - the agents then wait their timeout at the end: say so
+            logger.warning(f"pdv in-place recovery: could not check the {len(lost)} lost torchrun agents into "
+                           f"the exit barrier ({exc}); the survivors' agents will wait for them at the end")
     new_ip: InPlace = runtime_of(engine).in_place
     new_ip.recoveries.append(report)
     if dist.get_rank() == 0:
@@ -202,6 +225,8 @@ def _rebuild(engine: Any, ip: InPlace, gen: int, members: List[int], backend: st
     rt = runtime_of(engine)
     rt.pending_replica = (engine.grid.get_data_parallel_id(), engine.grid.get_data_parallel_world_size())
     ip.generation, ip.resumed_at = gen, int(step)
+    if ip.agents is not None:  # the survivors' agents, by their new ranks (a next recovery counts from these)
+        ip.agents = [ip.agents[r] for r in members]
     rt.in_place = ip
     lap("commit_s")
     return {"step": int(step), "generation": gen, "world": new_world, "plan": plan, **times}
