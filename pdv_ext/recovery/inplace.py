@@ -19,6 +19,7 @@ and the launcher's restart brings it back with everyone (the snapshots' resume).
 from __future__ import annotations
 
 import json
+import os
 import time
 from datetime import timedelta
 from typing import Any, Callable, List, Optional
@@ -97,3 +98,144 @@ def fill_exit_barrier(store: Any, run_id: str, lost_agents: int, world_agents: i
     prefix = f"torch.rendezvous.{run_id}.{rendezvous_round(store, run_id)}/{EXIT_BARRIER_PREFIX}"
     if store.add(f"{prefix}/num_members", lost_agents) >= world_agents:  # (as torch's barrier: the last one in)
         store.set(f"{prefix}/last_member", "<val_ignored>")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the old world's connections
+# ---------------------------------------------------------------------------------------------------
+def _tcp_table() -> "dict[int, tuple[str, int, int]]":
+    """socket inode -> (remote address, remote port, state) of this network namespace's TCP sockets."""
+    import socket
+    import struct
+
+    out = {}
+    for path, six in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            with open(path) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) < 10:
+                continue
+            addr, port = cols[2].split(":")
+            raw = bytes.fromhex(addr)
+            if six:  # four 32-bit words, each little-endian
+                raw = b"".join(struct.pack("<I", int.from_bytes(raw[i:i + 4], "big")) for i in range(0, 16, 4))
+                ip = socket.inet_ntop(socket.AF_INET6, raw)
+                if ip.startswith("::ffff:"):
+                    ip = ip[7:]
+            else:
+                ip = socket.inet_ntoa(struct.pack("<I", int.from_bytes(raw, "big")))
+            out[int(cols[9])] = (ip, int(port, 16), int(cols[3], 16))
+    return out
+
+
+def peer_addresses(keep: "tuple[str, int]") -> "set[str]":
+    """The remote addresses of this process's established TCP connections but `keep` (the recovery store's):
+    at start-up, once the process groups have connected, the peers' addresses."""
+    table = _tcp_table()
+    return {ip for ip, port, st in (table.get(i, ("", 0, 0)) for i in _socket_inodes().values())
+            if st == 1 and (ip, port) != keep and ip}
+
+
+def _socket_inodes() -> "dict[int, int]":
+    out = {}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out[int(fd)] = int(link[8:-1])
+    return out
+
+
+def close_peer_connections(peers: "set[str]", keep: "tuple[str, int]") -> int:
+    """Shut down this process's TCP connections to `peers` but `keep`: the old process groups' (gloo cannot be
+    aborted). A survivor does it first thing, so that every live peer blocked in a collective with it fails
+    at once and joins the agreement, instead of waiting out the group's timeout. Returns how many."""
+    import socket
+
+    table = _tcp_table()
+    n = 0
+    for fd, inode in _socket_inodes().items():
+        ip, port, st = table.get(inode, ("", 0, 0))
+        if ip in peers and (ip, port) != keep:
+            try:
+                s = socket.socket(fileno=os.dup(fd))
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                    n += 1
+                finally:
+                    s.close()  # the duplicate only
+            except OSError:
+                pass
+    return n
+
+
+class Heartbeat:
+    """Each rank's pulse in the recovery store, and its watch on the others': a host that vanishes without
+    closing its connections (power, network) leaves its peers blocked in a collective until the group's
+    timeout (30 minutes by default); a peer whose counter has not moved for `dead_after_s` is taken for
+    lost, and `on_lost` (shutting the old world's connections) makes the blocked collective fail now.
+
+    A thread with a store client of its own; counters, not clocks (hosts' clocks differ). `watch(uids)`
+    sets whom to watch (the survivors, after a recovery)."""
+
+    def __init__(self, address: str, prefix: str, uid: int, uids: List[int], on_lost: Callable[[List[int]], None],
+                 interval_s: float = 0.5, dead_after_s: float = 4.0):
+        import threading
+
+        self.address, self.prefix, self.uid = address, prefix, int(uid)
+        self.interval_s, self.dead_after_s, self.on_lost = interval_s, dead_after_s, on_lost
+        self._watch = [int(u) for u in uids if int(u) != self.uid]
+        self._stop = threading.Event()
+        self._fired: set = set()
+        self._paused = False
+        self._thread = threading.Thread(target=self._run, name="pdv-heartbeat", daemon=True)
+        self._thread.start()
+
+    def watch(self, uids: List[int]) -> None:
+        """Watch `uids` (this rank's world, after a recovery) from now on."""
+        self._watch = [int(u) for u in uids if int(u) != self.uid]
+        self._fired = set()
+        self._paused = False
+
+    def pause(self) -> None:
+        """No firing while a recovery runs: its new world's connections are not the old world's."""
+        self._paused = True
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        try:
+            store = connect(self.address, self.prefix, timeout_s=max(10.0, 4 * self.interval_s))
+        except Exception:  # noqa: BLE001 - no watch without a store: the group's timeout stays the bound
+            return
+        seen: dict = {}
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                store.add(f"hb/{self.uid}", 1)
+                watch = list(self._watch)
+                counts = {u: int(store.add(f"hb/{u}", 0)) for u in watch}
+            except Exception:  # noqa: BLE001 - the store is gone: nothing to watch with
+                return
+            for u, c in counts.items():
+                if u not in seen or seen[u][0] != c:
+                    seen[u] = (c, now)
+            lost = [u for u in watch if now - seen[u][1] > self.dead_after_s and u not in self._fired]
+            if lost and not self._paused:
+                self._fired.update(lost)
+                try:
+                    self.on_lost(lost)
+                except Exception:  # noqa: BLE001
+                    pass
+            self._stop.wait(self.interval_s)

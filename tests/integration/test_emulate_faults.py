@@ -134,6 +134,26 @@ def test_bench_faults_on_a_scenario(tmp_path):
     assert q.returncode == 2 and "pipe 4 x data 1 on 4 devices, 2 left" in q.stderr, q.stderr
 
 
+@pytest.mark.timeout(300)
+def test_bench_faults_in_place(tmp_path):
+    """`pdv bench faults --scenario --in-place`: host B lost; host A's workers go on in their processes (their
+    torchrun agents restart nothing), within seconds, and their agents leave at the end without waiting out
+    torch's exit barrier for host B's (the emulator's whole run stays far under that barrier's 300 s)."""
+    (tmp_path / "c.yaml").write_text(CLUSTER)
+    (tmp_path / "s.yaml").write_text("cluster: c.yaml\nrun: {pipe: 2, data: 2, steps: 10}\n"
+                                     "events:\n  - {at_step: 4, host: hostB, down: true}\n")
+    p = subprocess.run([sys.executable, "-m", "pdv_ext.cli", "bench", "faults", "--scenario", str(tmp_path / "s.yaml"),
+                        "--only", "recovered", "--hidden", "32", "--timeout", "200", "--in-place", "--json"],
+                       capture_output=True, text=True, timeout=280, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    rec = res["recovered"]
+    assert res["in_place"] and rec["in_place"] and res["completed"] and res["steps_lost"] <= 1, res
+    assert rec["world_after"] == 2 and set(res["recovery_parts_s"]) == {
+        "detection", "agreement", "group_and_engine", "state_load", "first_step"}, res
+    assert res["recovery_s"] < 20 and rec["wall_s"] < 200, res
+
+
 @pytest.mark.timeout(420)
 def test_the_host_of_rank_0_lost(tmp_path):
     """Rank 0's host lost (torchrun ranks the agents by address: a0 holds rank 0 at the start): the job goes on

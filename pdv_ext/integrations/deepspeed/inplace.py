@@ -2,28 +2,32 @@
 
 `PDVPipelineEngine.train_batch` calls `recover(engine, error)` when a step failed with what a lost peer does
 to a collective. The survivors then, in their own processes (pdv_ext/recovery/inplace.py has the why):
-1. agree on who is left over the recovery store (`agree`): everyone there -> not a lost peer, the error is
-   raised as it was; fewer than half -> raised too (this rank is more likely the odd one out than the world);
-2. leave the snapshot in flight to itself (it seals nothing from then on: it had the agreement's time to
-   finish, and a snapshot that needs the lost peer never will);
+1. give the snapshot in flight half a second to be sealed, then shut down the connections to the old world's
+   peers (gloo cannot be aborted): a live peer blocked in a collective with this rank fails at once and joins;
+2. agree on who is left over the recovery store (`agree`); fewer than half -> the error is raised (this rank
+   is more likely the odd one out than the world); everyone there (a heartbeat taken for lost, a connection
+   dropped) -> the same ranks in a new world;
+   the old snapshots are then left to themselves (nothing of the old world is sealed any more);
 3. forget every process group, form the survivors' world on the recovery store;
 4. plan for it: the start-up planner where `pdv.placement.cluster` describes the devices (the lost ones are
    not asked for), else the same stage boundaries with the survivors row-major over them;
 5. build the new stage and engine as a move does, and load the newest complete snapshot into it;
 6. hand the user's engine object the new state (as a move does) and the data position to their iterator.
-Anything that fails on the way exits the process (`EXIT_CODE`): a launcher's restart then resumes from the
+A heartbeat thread (recovery/inplace.py `Heartbeat`) turns a host that vanished silently into the same
+failure within `heartbeat_dead_s`. Anything that fails on the way exits the process (`EXIT_CODE`): a launcher's restart then resumes from the
 snapshots as it would have without this, never from a half-built engine.
 """
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +36,8 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from ...config_base import ConfigError
 from ...log import logger
 from ...placement.plan import Layout, row_major_mapping
-from ...recovery.inplace import agree, connect, fill_exit_barrier
+from ...recovery.inplace import (Heartbeat, agree, close_peer_connections, connect, fill_exit_barrier,
+                                 parse_address, peer_addresses)
 from . import internals
 from .checkpoint import plan_of
 from .move import _engine_config, _optimizer_for
@@ -60,6 +65,12 @@ class InPlace:
     agents: Optional[List[int]] = None
     #: the agents of the rendezvous round (the exit barrier's size: a recovery does not start a new round)
     round_agents: int = 0
+    #: the peers' addresses (what a survivor disconnects from first) and the store's, which it keeps
+    peers: Set[str] = field(default_factory=set)
+    keep: Tuple[str, int] = ("", 0)
+    #: each rank's id for the heartbeats (its rank at start-up), by current rank
+    uids: List[int] = field(default_factory=list)
+    heartbeat: Any = None
     generation: int = 0
     #: the global step at which the last recovery resumed (a failure of the first step after it is raised)
     resumed_at: Optional[int] = None
@@ -82,8 +93,21 @@ def setup(engine: Any, cfg: Any) -> Optional[InPlace]:
     raw = connect(address, timeout_s=cfg.timeout)
     from torch.distributed import PrefixStore
 
-    return InPlace(store=PrefixStore(f"pdv-inplace/{cfg.job_name()}/{box[0]}/", raw), settle_s=cfg.settle_s,
-                   timeout_s=cfg.timeout, raw_store=raw,
+    host, port = parse_address(address)
+    keep = (socket.gethostbyname(host), port)
+    dist.barrier()  # every process group of the engine has connected: their peers' addresses are known
+    peers = peer_addresses(keep)
+    prefix = f"pdv-inplace/{cfg.job_name()}/{box[0]}/"
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def on_lost(uids: List[int]) -> None:  # a silent peer: make the collective waiting on it fail now
+        n = close_peer_connections(peers, keep)
+        logger.warning(f"pdv in-place recovery: no heartbeat from rank(s) {uids} for {cfg.heartbeat_dead_s:g} s: "
+                       f"{n} connection(s) of the old world shut down")
+
+    beat = Heartbeat(address, prefix, rank, list(range(world)), on_lost, dead_after_s=cfg.heartbeat_dead_s)
+    return InPlace(store=PrefixStore(prefix, raw), settle_s=cfg.settle_s, timeout_s=cfg.timeout, raw_store=raw,
+                   peers=peers, keep=keep, uids=list(range(world)), heartbeat=beat,
                    agents=[int(a) for a in agents] if all(a is not None for a in agents) else None,
                    round_agents=len({a for a in agents if a is not None}))
 
@@ -110,14 +134,20 @@ def recover(engine: Any, error: BaseException) -> bool:
     t0, wall0 = time.perf_counter(), time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
     backend = dist.get_backend()
+    if ip.heartbeat is not None:
+        ip.heartbeat.pause()
+    if engine.pdv_snapshots is not None:  # the snapshot in flight: a moment to be sealed, if it needs no one lost
+        engine.pdv_snapshots.wait_briefly(0.5)
+    # every live peer blocked in a collective with this rank fails now, not at the group's timeout
+    closed = close_peer_connections(ip.peers, ip.keep)
     gen = ip.generation + 1
     members = agree(ip.store, gen, rank, world, ip.settle_s)
     t_agree = time.perf_counter()
-    if engine.pdv_snapshots is not None:  # (the snapshot in flight had the agreement's time to be sealed)
+    if engine.pdv_snapshots is not None:  # nothing of the old world is sealed from here on
         engine.pdv_snapshots.abandon()
-    if len(members) == world or 2 * len(members) < world:
-        logger.error(f"pdv in-place recovery: {len(members)} of {world} ranks reported after the error; "
-                     + ("none is lost" if len(members) == world else "too few to be the survivors"))
+    if 2 * len(members) < world:
+        logger.error(f"pdv in-place recovery: {len(members)} of {world} ranks reported after the error: too few "
+                     "to be the survivors")
         return False
     old_agents = ip.agents
     try:
@@ -129,7 +159,7 @@ def recover(engine: Any, error: BaseException) -> bool:
         sys.stderr.flush()
         os._exit(EXIT_CODE)
     report.update(detect_error=(str(error).splitlines() or [""])[0][:200], agree_s=t_agree - t0,
-                  seconds=time.perf_counter() - t0, old_rank=rank, old_world=world, t_start=wall0,
+                  seconds=time.perf_counter() - t0, old_rank=rank, old_world=world, t_start=wall0, closed=closed,
                   t_ready=time.time() - report["resume_s"] - report["commit_s"])
     if old_agents is not None and dist.get_rank() == 0:  # torchrun: the lost agents, for the survivors' exit
         lost = set(old_agents) - {old_agents[r] for r in members}
@@ -227,6 +257,9 @@ def _rebuild(engine: Any, ip: InPlace, gen: int, members: List[int], backend: st
     ip.generation, ip.resumed_at = gen, int(step)
     if ip.agents is not None:  # the survivors' agents, by their new ranks (a next recovery counts from these)
         ip.agents = [ip.agents[r] for r in members]
+    ip.uids = [ip.uids[r] for r in members]
+    if ip.heartbeat is not None:
+        ip.heartbeat.watch(ip.uids)
     rt.in_place = ip
     lap("commit_s")
     return {"step": int(step), "generation": gen, "world": new_world, "plan": plan, **times}

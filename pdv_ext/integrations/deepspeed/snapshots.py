@@ -405,6 +405,11 @@ class Snapshots:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return auto_interval(float(t[0]), float(t[1]), self.cfg.max_every)
 
+    def wait_briefly(self, seconds: float) -> None:
+        """Give the snapshot in flight up to `seconds` to finish (its error, if any, is left unraised)."""
+        if self._thread is not None:
+            self._thread.join(seconds)
+
     def abandon(self) -> None:
         """Leave this object's snapshots to themselves, without waiting (a peer died: the snapshot in flight
         may wait on it until its timeout): nothing more is sealed, the keeper is closed. In-place recovery
