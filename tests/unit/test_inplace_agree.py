@@ -101,9 +101,10 @@ def test_the_lost_agents_are_checked_into_torchruns_exit_barrier(server):
     def agents(n, timeout):
         errs = []
 
-        def one():
+        def one():  # an agent: a store client of its own (a TCPStore client is not for two threads)
+            own = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
             try:
-                store_util.barrier(PrefixStore(f"torch.rendezvous.job7.{state.round}", raw), world_size=4,
+                store_util.barrier(PrefixStore(f"torch.rendezvous.job7.{state.round}", own), world_size=4,
                                    key_prefix=EXIT_BARRIER_PREFIX, barrier_timeout=timeout)
             except Exception as exc:  # noqa: BLE001
                 errs.append(exc)
