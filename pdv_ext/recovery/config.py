@@ -51,9 +51,10 @@ class SnapshotsConfig(StrictModel):
         None, description="in_place: HOST:PORT of a TCPStore that outlives any training host (torchrun's "
                           "--rdzv-endpoint on a host of its own); default PDV_RECOVERY_STORE, else "
                           "PET_RDZV_ENDPOINT")
-    settle_s: float = Field(3.0, gt=0, description="in_place: seconds the survivors wait for each other after the "
-                                                    "first of them reports a failure (a rank computing when the "
-                                                    "peer died notices at its next collective)")
+    settle_s: float = Field(5.0, gt=0, description="in_place: the longest the survivors wait for each other after "
+                                                    "one of them reports a failure: a rank whose heartbeat has "
+                                                    "stopped is not waited for, one computing when the peer died is "
+                                                    "(it notices at its next collective)")
 
     heartbeat_dead_s: float = Field(4.0, gt=0, description="in_place: a peer whose heartbeat has not moved for "
                                                             "this long is taken for lost (a host gone silent)")

@@ -48,18 +48,35 @@ def connect(address: str, prefix: Optional[str] = None, timeout_s: float = 30.0)
 
 
 def agree(store: Any, gen: int, rank: int, world: int, settle_s: float, poll_s: float = 0.02,
-          clock: Callable[[], float] = time.monotonic) -> List[int]:
+          clock: Callable[[], float] = time.monotonic, uids: Optional[List[int]] = None,
+          silent_s: float = 1.5) -> List[int]:
     """The ranks of the failed generation (`world` of them) that go on into generation `gen`, in their old
-    order: the same list on every survivor. Raises NotASurvivor on a rank the others decided without."""
+    order: the same list on every survivor. Raises NotASurvivor on a rank the others decided without.
+
+    The wait ends when every rank has reported, or when each one that has not is silent: its heartbeat (`uids`:
+    each rank's heartbeat id, `Heartbeat`) has not moved for `silent_s` (a process that is gone), and at the
+    latest `settle_s` after this rank reported (without `uids`: always then). A rank that is alive but was
+    computing when the peer died beats on, and is waited for (up to `settle_s`)."""
     store.set(f"g{gen}/alive/{rank}", "1")
-    end = clock() + settle_s
+    start = clock()
     keys = [f"g{gen}/alive/{r}" for r in range(world)]
+    beats: dict = {}
     while True:
-        decided = store.check([f"g{gen}/decision"])
-        if decided:
+        if store.check([f"g{gen}/decision"]):
             break
+        now = clock()
         alive = [r for r, k in enumerate(keys) if store.check([k])]
-        if len(alive) == world or clock() >= end:
+        missing = [r for r in range(world) if r not in alive]
+        silent = True
+        if uids is not None:
+            for r in missing:
+                c = int(store.add(f"hb/{uids[r]}", 0))
+                if r not in beats or beats[r][0] != c:
+                    beats[r] = (c, now)
+                silent = silent and now - beats[r][1] >= silent_s
+        else:
+            silent = False
+        if not missing or silent or now - start >= settle_s:
             # the first to get here writes its view; anyone later reads it (compare_set keeps the first)
             store.compare_set(f"g{gen}/decision", "", json.dumps(alive))
             break

@@ -136,3 +136,41 @@ def test_only_what_a_lost_peer_raises_starts_a_recovery():
     assert not lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x2)"))
     assert not lost_peer(ValueError("Connection reset"))  # not what a collective raises
     assert not lost_peer(KeyError("labels"))
+
+
+def test_a_silent_rank_is_not_waited_for_a_computing_one_is(server):
+    """With heartbeats: the rank whose heartbeat stopped is decided without after ~1.5 s, not settle_s; a rank
+    that beats on but reports late (it was computing) is waited for."""
+    import time
+
+    hb = connect(server, "job/e3/")
+    for u in range(3):
+        hb.add(f"hb/{u}", 1)
+    stop = threading.Event()
+
+    def beat(u):  # rank 2 is alive: its heartbeat moves
+        while not stop.is_set():
+            time.sleep(0.2)
+            own.add(f"hb/{u}", 1)
+
+    own = connect(server, "job/e3/")
+    t = threading.Thread(target=beat, args=(2,))
+    t.start()
+    try:
+        out = {}
+        late = threading.Thread(target=lambda: (time.sleep(2.5), out.setdefault(
+            2, agree(connect(server, "job/e3/"), 1, 2, 4, 20.0, uids=[0, 1, 2, 3]))))
+        late.start()
+        t0 = time.monotonic()
+        ths = [threading.Thread(target=lambda r=r: out.setdefault(
+            r, agree(connect(server, "job/e3/"), 1, r, 4, 20.0, uids=[0, 1, 2, 3]))) for r in (0, 1)]
+        for th in ths:
+            th.start()
+        for th in ths + [late]:
+            th.join(30)
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        t.join(5)
+    assert out == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}  # rank 3 silent: not waited for; rank 2 waited for
+    assert 2.0 < took < 10.0  # not the 20 s settle

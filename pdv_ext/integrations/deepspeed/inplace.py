@@ -141,7 +141,7 @@ def recover(engine: Any, error: BaseException) -> bool:
     # every live peer blocked in a collective with this rank fails now, not at the group's timeout
     closed = close_peer_connections(ip.peers, ip.keep)
     gen = ip.generation + 1
-    members = agree(ip.store, gen, rank, world, ip.settle_s)
+    members = agree(ip.store, gen, rank, world, ip.settle_s, uids=ip.uids if ip.heartbeat is not None else None)
     t_agree = time.perf_counter()
     if engine.pdv_snapshots is not None:  # nothing of the old world is sealed from here on
         engine.pdv_snapshots.abandon()
