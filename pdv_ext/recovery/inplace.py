@@ -232,19 +232,26 @@ class Heartbeat:
         self._stop.set()
 
     def _run(self) -> None:
-        try:
-            store = connect(self.address, self.prefix, timeout_s=max(10.0, 4 * self.interval_s))
-        except Exception:  # noqa: BLE001 - no watch without a store: the group's timeout stays the bound
-            return
-        seen: dict = {}
+        import logging
+
+        log = logging.getLogger("pdv_ext")
+        store, seen, warned = None, {}, False
         while not self._stop.is_set():
             now = time.monotonic()
             try:
+                if store is None:
+                    store = connect(self.address, self.prefix, timeout_s=max(10.0, 4 * self.interval_s))
                 store.add(f"hb/{self.uid}", 1)
                 watch = list(self._watch)
                 counts = {u: int(store.add(f"hb/{u}", 0)) for u in watch}
-            except Exception:  # noqa: BLE001 - the store is gone: nothing to watch with
-                return
+            except Exception as exc:  # noqa: BLE001 - the store unreachable: try again, say so once
+                if not warned:
+                    log.warning(f"pdv in-place recovery: heartbeat: the store at {self.address} failed ({exc}); "
+                                "retrying")
+                    warned = True
+                store = None
+                self._stop.wait(self.interval_s)
+                continue
             for u, c in counts.items():
                 if u not in seen or seen[u][0] != c:
                     seen[u] = (c, now)
