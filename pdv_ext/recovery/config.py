@@ -56,7 +56,7 @@ class SnapshotsConfig(StrictModel):
                                                     "stopped is not waited for, one computing when the peer died is "
                                                     "(it notices at its next collective)")
 
-    heartbeat_dead_s: float = Field(4.0, gt=0, description="in_place: a peer whose heartbeat has not moved for "
+    heartbeat_dead_s: float = Field(10.0, gt=0, description="in_place: a peer whose heartbeat has not moved for "
                                                             "this long is taken for lost (a host gone silent)")
 
     def root_dir(self) -> str:

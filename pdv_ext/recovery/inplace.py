@@ -49,7 +49,7 @@ def connect(address: str, prefix: Optional[str] = None, timeout_s: float = 30.0)
 
 def agree(store: Any, gen: int, rank: int, world: int, settle_s: float, poll_s: float = 0.02,
           clock: Callable[[], float] = time.monotonic, uids: Optional[List[int]] = None,
-          silent_s: float = 1.5) -> List[int]:
+          silent_s: float = 3.0) -> List[int]:
     """The ranks of the failed generation (`world` of them) that go on into generation `gen`, in their old
     order: the same list on every survivor. Raises NotASurvivor on a rank the others decided without.
 
