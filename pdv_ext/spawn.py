@@ -68,13 +68,20 @@ def default_env() -> Dict[str, str]:
     return env
 
 
-def remove_deepspeed_shm(port: int) -> List[str]:
+#: DeepSpeed's CPU all-reduce workspace (its shm comm op, csrc/cpu/comm/shm.cpp, where every rank is local): one
+#: file of ~69 MB per rank in /dev/shm, `<this>_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`, that it never unlinks
+SHM_WORKSPACE_PREFIX = "deepspeed_allreduce_buffer"
+
+
+def remove_deepspeed_shm(port: int, rank: Optional[int] = None, shm_dir: str = "/dev/shm") -> List[str]:
     """Remove the shared-memory workspaces DeepSpeed's CPU all-reduce (its shm comm op) made for the job whose
     rendezvous port is `port`: one of ~69 MB per rank in /dev/shm, which DeepSpeed never unlinks (a day of
     test runs left 8 GB of host memory there). The name holds the address as DeepSpeed resolved it
-    (127.0.0.1 for MASTER_ADDR=localhost), so any address matches. Returns the paths removed. Call it once
-    every rank of that job is gone."""
-    pattern = os.path.join("/dev/shm", f"deepspeed_allreduce_buffer_{os.getuid()}_*_{int(port)}_*")
+    (127.0.0.1 for MASTER_ADDR=localhost), so any address matches. Every rank's (call it once every rank of
+    that job is gone), or only `rank`'s (what a live rank does for itself, see
+    `internals.release_shm_workspace`). Returns the paths removed."""
+    which = "*" if rank is None else str(int(rank))
+    pattern = os.path.join(shm_dir, f"{SHM_WORKSPACE_PREFIX}_{os.getuid()}_*_{int(port)}_{which}")
     removed = []
     for path in glob.glob(pattern):
         try:

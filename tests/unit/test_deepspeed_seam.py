@@ -196,7 +196,8 @@ def test_release_shm_workspace_unlinks_this_ranks_name_only(tmp_path):
     other ranks' and other jobs' stay."""
     import os
 
-    from pdv_ext.integrations.deepspeed.internals import SHM_WORKSPACE_PREFIX, release_shm_workspace
+    from pdv_ext.integrations.deepspeed.internals import release_shm_workspace
+    from pdv_ext.spawn import SHM_WORKSPACE_PREFIX
 
     uid = os.getuid()
     names = [f"{SHM_WORKSPACE_PREFIX}_{uid}_127.0.0.1_29500_{r}" for r in range(3)] + \

@@ -31,7 +31,6 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.config import DeepSpeedConfig
 
 from ...config_base import ConfigError
 from ...log import logger
@@ -40,7 +39,7 @@ from ...recovery.inplace import (Heartbeat, agree, close_peer_connections, conne
                                  parse_address, peer_addresses)
 from . import internals
 from .checkpoint import plan_of
-from .move import _engine_config, _optimizer_for
+from .move import build_engine
 from .runtime import runtime_of
 from .topology import MappedTopology, build_stage_layers, link_tied_layers
 
@@ -222,22 +221,12 @@ def _rebuild(engine: Any, ip: InPlace, gen: int, members: List[int], backend: st
         torch.set_rng_state(rng)
     new._pdv_placement = Layout(plan["boundaries"], plan["rank_mapping"]).to_dict()
     link_tied_layers(new)
-    build = runtime_of(engine).build
-    given = build.get("model_parameters")
+    given = runtime_of(engine).build.get("model_parameters")
     if isinstance(given, (list, tuple)) and given and all(isinstance(g, dict) for g in given):
         raise ConfigError(["in-place recovery: parameter groups (model_parameters as dicts) are not carried over "
                            "yet; pass model.parameters()"])
     params = [p for p in new.parameters() if p.requires_grad]
-    cfg = _engine_config(engine, len(plan["rank_mapping"][0]))
-    built = type(engine)(args=build["args"], model=new, optimizer=_optimizer_for(build, params),
-                         model_parameters=params, training_data=build["training_data"],
-                         lr_scheduler=build["lr_scheduler"], mpu=new.mpu(),
-                         dist_init_required=build["dist_init_required"], collate_fn=build["collate_fn"],
-                         config=cfg, config_class=DeepSpeedConfig(cfg, new.mpu()),
-                         pdv_config=engine.pdv_config.model_copy(update={"data_shares": "equal"}),
-                         validation_iter=engine.validation_iter)
-    internals.configure_python_gc(built)
-    runtime_of(built).build = {**build, "model_parameters": params}
+    built = build_engine(engine, new, len(plan["rank_mapping"][0]), params)
     lap("engine_s")
     if built.pdv_snapshots is None:
         raise ConfigError(["in-place recovery needs pdv.snapshots"])

@@ -196,31 +196,20 @@ def set_optimizer_flags(config_class: Any, model: Any) -> None:
         fn(config_class, model)
 
 
-#: DeepSpeed's CPU all-reduce workspace (its shm comm op, csrc/cpu/comm/shm.cpp, where every rank is local): one
-#: file of ~69 MB per rank in /dev/shm, `<this>_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`, that it never unlinks
-SHM_WORKSPACE_PREFIX = "deepspeed_allreduce_buffer"
-
-
 def release_shm_workspace(rank: int, port: Optional[str] = None, shm_dir: str = "/dev/shm") -> List[str]:
     """Unlink the name of this rank's shm workspace, keeping its memory mapped: DeepSpeed maps every rank's
     workspace when it initializes and never opens one again, so once every rank has passed that (any
     collective over the world after `init_distributed`), the names only keep the memory after the job ends.
     A job killed or one that exits then leaves nothing behind (before, ~69 MB per rank per job piled up in
     host memory). Returns the paths removed (none where the op is not in use)."""
-    import glob
     import os
+
+    from ...spawn import remove_deepspeed_shm
 
     port = port if port is not None else os.environ.get("MASTER_PORT")
     if not port:
         return []
-    removed = []
-    for path in glob.glob(os.path.join(shm_dir, f"{SHM_WORKSPACE_PREFIX}_{os.getuid()}_*_{port}_{int(rank)}")):
-        try:
-            os.remove(path)
-            removed.append(path)
-        except OSError:
-            pass
-    return removed
+    return remove_deepspeed_shm(int(port), rank=int(rank), shm_dir=shm_dir)
 
 
 def configure_python_gc(engine: Any) -> None:

@@ -301,6 +301,30 @@ def _optimizer_for(build: Dict[str, Any], params: Any) -> Any:
     return type(opt)(params, **opt.defaults) if isinstance(opt, torch.optim.Optimizer) else opt
 
 
+def build_engine(engine: Any, new: Any, replicas: int, params: List[Any], glue: Any = None,
+                 built: Optional[List[Any]] = None) -> Any:
+    """A new engine of `engine`'s class around the module `new` (its layers built, `replicas` data-parallel
+    replicas), made from the arguments `engine` was made from: the one constructor call a move and an in-place
+    recovery share. The shares in force follow through the pdv state the caller applies, not the config's.
+    `glue` is the policy glue to carry over; the new engine is appended to `built` (a rollback's list) as soon
+    as it exists."""
+    build_args = runtime_of(engine).build
+    cfg = _engine_config(engine, replicas)
+    eng = type(engine)(args=build_args["args"], model=new, optimizer=_optimizer_for(build_args, params),
+                       model_parameters=params, training_data=build_args["training_data"],
+                       lr_scheduler=build_args["lr_scheduler"], mpu=new.mpu(),
+                       dist_init_required=build_args["dist_init_required"],
+                       collate_fn=build_args["collate_fn"], config=cfg,
+                       config_class=DeepSpeedConfig(cfg, new.mpu()),
+                       pdv_config=engine.pdv_config.model_copy(update={"data_shares": "equal"}),
+                       validation_iter=engine.validation_iter, pdv_glue=glue)
+    if built is not None:
+        built.append(eng)
+    internals.configure_python_gc(eng)
+    runtime_of(eng).build = {**build_args, "model_parameters": params}
+    return eng
+
+
 def _engine_config(engine: Any, dp: int) -> Dict[str, Any]:
     cfg = copy.deepcopy(runtime_of(engine).build["config"])
     tbs, mbs = int(engine.train_batch_size()), int(engine.train_micro_batch_size_per_gpu())
@@ -453,20 +477,9 @@ class _Move:
         def make() -> None:
             link_tied_layers(new)
             build_args = runtime_of(engine).build
-            cfg = _engine_config(engine, len(self.new_plan["rank_mapping"][0]))
             params = _model_parameters(build_args, new, mine)
-            eng = type(engine)(args=build_args["args"], model=new, optimizer=_optimizer_for(build_args, params),
-                               model_parameters=params, training_data=build_args["training_data"],
-                               lr_scheduler=build_args["lr_scheduler"], mpu=new.mpu(),
-                               dist_init_required=build_args["dist_init_required"],
-                               collate_fn=build_args["collate_fn"], config=cfg,
-                               config_class=DeepSpeedConfig(cfg, new.mpu()),
-                               # the shares in force follow through the pdv state below, not the config's
-                               pdv_config=engine.pdv_config.model_copy(update={"data_shares": "equal"}),
-                               validation_iter=engine.validation_iter, pdv_glue=rollback.glue)
-            rollback.built.append(eng)
-            internals.configure_python_gc(eng)
-            runtime_of(eng).build = {**build_args, "model_parameters": params}
+            eng = build_engine(engine, new, len(self.new_plan["rank_mapping"][0]), params, glue=rollback.glue,
+                               built=rollback.built)
             apply_params(eng, mine)
             apply_global_state(eng, self.globals_now)
             apply_state(eng, rebased_pdv_state(eng, {**self.pdv, "policy": None, "data": None},
