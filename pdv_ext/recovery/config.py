@@ -51,10 +51,11 @@ class SnapshotsConfig(StrictModel):
         None, description="in_place: HOST:PORT of a TCPStore that outlives any training host (torchrun's "
                           "--rdzv-endpoint on a host of its own); default PDV_RECOVERY_STORE, else "
                           "PET_RDZV_ENDPOINT")
-    settle_s: float = Field(5.0, gt=0, description="in_place: the longest the survivors wait for each other after "
-                                                    "one of them reports a failure: a rank whose heartbeat has "
-                                                    "stopped is not waited for, one computing when the peer died is "
-                                                    "(it notices at its next collective)")
+    settle_s: float = Field(30.0, gt=0, description="in_place: the longest the survivors wait, once one reports a "
+                                                     "failure, for a rank that has not reported but whose heartbeat "
+                                                     "moves (it was computing when the peer died and notices at its "
+                                                     "next collective, or after heartbeat_dead_s); a rank whose "
+                                                     "heartbeat has stopped for 3 s is not waited for")
 
     heartbeat_dead_s: float = Field(10.0, gt=0, description="in_place: a peer whose heartbeat has not moved for "
                                                             "this long is taken for lost (a host gone silent)")

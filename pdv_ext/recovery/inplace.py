@@ -18,8 +18,10 @@ and the launcher's restart brings it back with everyone (the snapshots' resume).
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable, List, Optional
@@ -207,8 +209,6 @@ class Heartbeat:
 
     def __init__(self, address: str, prefix: str, uid: int, uids: List[int], on_lost: Callable[[List[int]], None],
                  interval_s: float = 0.5, dead_after_s: float = 4.0):
-        import threading
-
         self.address, self.prefix, self.uid = address, prefix, int(uid)
         self.interval_s, self.dead_after_s, self.on_lost = interval_s, dead_after_s, on_lost
         self._watch = [int(u) for u in uids if int(u) != self.uid]
@@ -217,6 +217,10 @@ class Heartbeat:
         self._paused = False
         self._thread = threading.Thread(target=self._run, name="pdv-heartbeat", daemon=True)
         self._thread.start()
+        # stopped before the interpreter finalizes: a daemon thread still inside the store client's C++ then
+        # is torn down mid-call, and the process aborts ("terminate called without an active exception",
+        # exit -6) at the end of a job that trained to the end (seen under load, 1 run in 5)
+        atexit.register(self.stop)
 
     def watch(self, uids: List[int]) -> None:
         """Watch `uids` (this rank's world, after a recovery) from now on."""
@@ -228,8 +232,11 @@ class Heartbeat:
         """No firing while a recovery runs: its new world's connections are not the old world's."""
         self._paused = True
 
-    def stop(self) -> None:
+    def stop(self, join_s: float = 5.0) -> None:
+        """End the thread and wait for it (at most `join_s`: a store call in flight finishes first)."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(join_s)
 
     def _run(self) -> None:
         import logging

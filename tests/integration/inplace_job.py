@@ -40,7 +40,7 @@ def main() -> None:
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 12 // (world // args.pipe),
            "steps_per_print": 10 ** 9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
            "pdv": {"snapshots": {"root": args.root, "job": "inplace-test", "every": 1, "in_place": True,
-                                 "settle_s": 1.0, "timeout": 60}}}
+                                 "timeout": 60}}}
     if args.pipe > 1:  # each stage's replicas on one host (a host lost takes a stage's every replica)
         dp = world // args.pipe
         cfg["pdv"]["placement"] = {"boundaries": [round(8 * s / args.pipe) for s in range(args.pipe + 1)],

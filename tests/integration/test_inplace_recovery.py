@@ -50,8 +50,6 @@ def _steps(log):
     return {e["step"]: e for e in log if "step" in e}
 
 
-@pytest.mark.xfail(strict=False, reason="intermittent in full CI runs (2 of 3 there, never alone or after its "
-                   "neighbours in 5 runs): cause not found, issue #37's thirteenth-session note")
 def test_a_lost_rank_costs_no_restart(tmp_path):
     """Data parallel over 3 ranks; rank 2 dies before step 7. Ranks 0 and 1 recover in place (no new process)
     within seconds, resume from the newest complete snapshot (step 6, or 5 where step 6's was still being

@@ -1,4 +1,5 @@
 """The survivors' agreement of in-place recovery (pdv_ext.recovery.inplace) over a real TCPStore."""
+import os
 import threading
 from datetime import timedelta
 
@@ -8,6 +9,8 @@ from torch.distributed import TCPStore
 from pdv_ext.config_base import ConfigError
 from pdv_ext.recovery.inplace import NotASurvivor, agree, connect, parse_address
 from pdv_ext.spawn import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture()
@@ -174,3 +177,30 @@ def test_a_silent_rank_is_not_waited_for_a_computing_one_is(server):
         t.join(5)
     assert out == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}  # rank 3 silent: not waited for; rank 2 waited for
     assert 2.0 < took < 10.0  # not the 20 s settle
+
+
+HEARTBEATS_AT_EXIT = """
+import time
+from datetime import timedelta
+from torch.distributed import TCPStore
+from pdv_ext.recovery.inplace import Heartbeat
+from pdv_ext.spawn import free_port
+port = free_port()
+server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+beats = [Heartbeat(f"127.0.0.1:{port}", "t/", u, [0, 1, 2, 3], lambda u: None, interval_s=0.0) for u in range(4)]
+time.sleep(0.3)
+"""
+
+
+def test_a_process_with_heartbeats_running_exits_cleanly():
+    """The heartbeat threads live until the process ends: each is stopped and joined before the interpreter
+    finalizes. Torn down inside a store call instead, the process aborted (-6) at the end of a job that had
+    trained to the end (every run of this script did before the fix)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    for _ in range(3):
+        p = subprocess.run([sys.executable, "-c", HEARTBEATS_AT_EXIT], env=env, capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode == 0, p.stderr[-2000:]
