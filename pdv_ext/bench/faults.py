@@ -18,7 +18,10 @@ after it) with its parts (`restart_s`: the kill to the new workers' start, detec
 (relative difference of the held-out loss at the end), `recovered_vs_disk_restart` (wall time, the first
 agent's start to the end), `snapshot_overhead` (mean step with snapshots before the loss, after the first 4,
 over the disk run's, less 1: a snapshot that holds a later step up counts; `snapshot_overhead_median` the
-same of the medians; `snapshot_setup_s` what the first 4 steps took more: the snapshots' one-time set-up). A CPU machine's figures; the same job on GPUs is not measured.
+same of the medians; `snapshot_setup_s` what the first 4 steps took more: the snapshots' one-time set-up;
+`snapshot_overhead_after` the same of the median steps after the loss, the first 4 apart: the survivors' steps;
+`startup_extra_s` how much later the recovered run's first step ended after its workers started: what the
+snapshots' and in-place recovery's set-up cost at the start; per way `step_s_after`, `first_step_at_s`). A CPU machine's figures; the same job on GPUs is not measured.
 
 `--scenario FILE` (root): a fault scenario (`launch/scenarios/host_loss.yaml`, `device_loss.yaml`: a cluster, a
 run shape, one fault at a training step) on the emulated cluster instead: each way is a `pdv emulate --elastic`
@@ -163,6 +166,13 @@ def _summary(run: Dict[str, Any], steps: int) -> Dict[str, Any]:
     # first WARMUP steps; those apart: what they took (the snapshots' one-time set-up shows there)
     out["mean_step_s_before"] = statistics.fmean(gaps[WARMUP:]) if len(gaps) > WARMUP + 1 else None
     out["warmup_s"] = sum(gaps[:WARMUP]) if len(gaps) > WARMUP + 1 else None
+    # after the loss, from the WARMUP-th step of the last attempt: what the snapshots cost on the survivors
+    # (a recovered run keeps snapshotting; a disk run does not), and when the first step ended after the start
+    done = [e["t"] for e in after]
+    gaps_after = [b - a for a, b in zip(done, done[1:])][WARMUP:]
+    out["step_s_after"] = statistics.median(gaps_after) if len(gaps_after) > 2 else None
+    first_try = [e["t"] for e in lines if "step" in e and e["attempt"] == starts[0]["attempt"]]
+    out["first_step_at_s"] = round(first_try[0] - starts[0]["t_process"], 2) if first_try else None
     return out
 
 
@@ -307,6 +317,10 @@ def _combine(res: Dict[str, Any]) -> None:
             res["snapshot_setup_s"] = round(rec["warmup_s"] - disk["warmup_s"], 2)
         if rec["step_s_before"] and disk["step_s_before"]:
             res["snapshot_overhead_median"] = round(rec["step_s_before"] / disk["step_s_before"] - 1.0, 4)
+        if rec.get("step_s_after") and disk.get("step_s_after"):  # the survivors' steps (medians)
+            res["snapshot_overhead_after"] = round(rec["step_s_after"] / disk["step_s_after"] - 1.0, 4)
+        if rec.get("first_step_at_s") is not None and disk.get("first_step_at_s") is not None:
+            res["startup_extra_s"] = round(rec["first_step_at_s"] - disk["first_step_at_s"], 2)
 
 
 def _switch_step(res: Dict[str, Any], lose_at: int) -> int:

@@ -1,0 +1,39 @@
+"""`pdv bench faults`' figures from its ways' logs (pdv_ext/bench/faults.py `_summary`, `_combine`): what the
+snapshots cost after the loss and at the start, beside the figures before it."""
+import pytest
+
+from pdv_ext.bench import faults
+
+
+def _log(start_at, first_step_at, step_s_before, lost_at, resume_at, restart_s, step_s_after, steps=40,
+         in_place=False):
+    """One way's log as faults_job.py writes it: a start record per attempt, a record per finished step."""
+    lines = [{"attempt": 0, "world": 4, "start": 0, "t_process": start_at, "t_ready": start_at + 1.0,
+              "resume_s": 0.0}]
+    t = first_step_at
+    for s in range(1, lost_at + 1):
+        lines.append({"step": s, "attempt": 0, "t": t})
+        t += step_s_before
+    t_restart = t + restart_s
+    lines.append({"attempt": 1, "world": 3, "start": resume_at, "t_process": t_restart, "t_ready": t_restart,
+                  "resume_s": 0.0, **({"in_place": True, "parts": {"agree_s": 0.1, "group_s": 0.0,
+                                                                    "engine_s": 0.0}} if in_place else {})})
+    t = t_restart + step_s_after
+    for s in range(resume_at + 1, steps + 1):
+        lines.append({"step": s, "attempt": 1, "t": t})
+        t += step_s_after
+    lines.append({"held_out": 1.0, "attempt": 1})
+    return {"logs": {"hostA-rank0": lines}, "t_kill": None, "wall_s": t - start_at}
+
+
+def test_the_survivors_steps_and_the_start_are_compared():
+    rec = faults._summary(_log(0.0, 12.0, 0.30, 15, 15, 3.0, 0.36, in_place=True), 40)
+    disk = faults._summary(_log(0.0, 10.0, 0.30, 15, 10, 15.0, 0.30), 40)
+    assert rec["step_s_after"] == pytest.approx(0.36) and disk["step_s_after"] == pytest.approx(0.30)
+    assert rec["first_step_at_s"] == 12.0 and disk["first_step_at_s"] == 10.0
+    res = {"recovered": rec, "disk_restart": disk}
+    faults._combine(res)
+    assert res["snapshot_overhead_after"] == pytest.approx(0.2, abs=1e-3)
+    assert res["startup_extra_s"] == pytest.approx(2.0)
+    assert res["snapshot_overhead_median"] == pytest.approx(0.0, abs=1e-3)  # before the loss: the same steps
+    assert res["steps_lost"] == 0 and res["completed"]
