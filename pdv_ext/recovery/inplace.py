@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 from ..config_base import ConfigError
 
@@ -88,6 +88,50 @@ def agree(store: Any, gen: int, rank: int, world: int, settle_s: float, poll_s: 
         raise NotASurvivor(f"pdv in-place recovery: rank {rank} reported after the survivors of generation "
                            f"{gen - 1} had decided without it ({members}); leaving for a restart")
     return members
+
+
+def confirm(store: Any, gen: int, rank: int, members: List[int], deadline_s: float, poll_s: float = 0.02,
+            clock: Callable[[], float] = time.monotonic, uids: Optional[List[int]] = None,
+            silent_s: float = 3.0) -> bool:
+    """Whether every member of generation `gen` (`agree`'s list) is still there to form it: the same answer on
+    every member. A rank can report and die after (a host whose link dropped first: its rank saw the error,
+    reported, and went with the host); the new world would then wait for it to connect. Each member says it
+    is ready; when all have, the answer is yes; when one that has not is silent (its heartbeat still for
+    `silent_s`, `uids` as in `agree`) or `deadline_s` has passed, it is no, and the caller agrees again in the
+    next generation (the silent rank does not report there). The first to know writes the answer
+    (compare-and-set), so that no member goes on while another starts over."""
+    store.set(f"g{gen}/ready/{rank}", "1")
+    start, beats, key = clock(), {}, f"g{gen}/outcome"
+    while not store.check([key]):
+        now = clock()
+        missing = [r for r in members if not store.check([f"g{gen}/ready/{r}"])]
+        silent = False
+        if uids is not None:
+            for r in missing:
+                c = int(store.add(f"hb/{uids[r]}", 0))
+                if r not in beats or beats[r][0] != c:
+                    beats[r] = (c, now)
+                silent = silent or now - beats[r][1] >= silent_s
+        if not missing or silent or now - start >= deadline_s:
+            store.compare_set(key, "", "go" if not missing else "again")
+            break
+        time.sleep(poll_s)
+    return store.get(key) == b"go"
+
+
+def survivors(store: Any, gen: int, rank: int, world: int, settle_s: float,
+              uids: Optional[List[int]] = None, silent_s: float = 3.0,
+              warn: Callable[[str], None] = lambda msg: None) -> Tuple[List[int], int]:
+    """`agree`, then `confirm`, again in the next generation until a world stays: (its members, its
+    generation). Raises NotASurvivor when this rank is left out, or when no world stays in `world` rounds."""
+    for _ in range(world):  # each round that ends without a member leaves out at least that one next time
+        members = agree(store, gen, rank, world, settle_s, uids=uids, silent_s=silent_s)
+        if confirm(store, gen, rank, members, settle_s, uids=uids, silent_s=silent_s):
+            return members, gen
+        warn(f"pdv in-place recovery: a rank of {members} reported and went silent before generation {gen} "
+             "formed; agreeing again")
+        gen += 1
+    raise NotASurvivor("pdv in-place recovery: the survivors could not agree on a world that stays")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -204,3 +204,46 @@ def test_a_process_with_heartbeats_running_exits_cleanly():
         p = subprocess.run([sys.executable, "-c", HEARTBEATS_AT_EXIT], env=env, capture_output=True, text=True,
                            timeout=60)
         assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_a_rank_that_reports_and_dies_is_left_out_in_the_next_generation(server):
+    """Rank 2 reports (its host's link dropped: it saw the error first) and dies with its host before the new
+    world forms. `confirm` says no on both live ranks (rank 2 never says it is ready, its heartbeat is still),
+    and they agree again in generation 2 without it: the same world on both, instead of a new process group
+    waiting for rank 2 to connect (the emulated host loss that hung until the emulator's timeout)."""
+    import time
+
+    from pdv_ext.recovery.inplace import survivors
+
+    hb = connect(server, "job/e5/")
+    for u in range(3):
+        hb.add(f"hb/{u}", 1)
+    hb.set("g1/alive/2", "1")  # rank 2's report; then nothing from it
+    stop = threading.Event()
+    beater = connect(server, "job/e5/")
+
+    def beat():  # ranks 0 and 1 live
+        while not stop.is_set():
+            time.sleep(0.2)
+            for u in (0, 1):
+                beater.add(f"hb/{u}", 1)
+
+    t = threading.Thread(target=beat)
+    t.start()
+    out, warned = {}, []
+    try:
+        ths = [threading.Thread(target=lambda r=r: out.setdefault(r, survivors(
+            connect(server, "job/e5/"), 1, r, 3, 20.0, uids=[0, 1, 2], silent_s=1.0, warn=warned.append)))
+            for r in (0, 1)]
+        t0 = time.monotonic()
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(30)
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        t.join(5)
+    assert out == {0: ([0, 1], 2), 1: ([0, 1], 2)}, out
+    assert len(warned) == 2 and "[0, 1, 2]" in warned[0], warned
+    assert took < 10.0  # rank 2's silence, twice (1 s each), not the 20 s deadline

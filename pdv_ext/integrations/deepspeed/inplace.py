@@ -35,8 +35,8 @@ import torch.distributed as dist
 from ...config_base import ConfigError
 from ...log import logger
 from ...placement.plan import Layout, row_major_mapping
-from ...recovery.inplace import (Heartbeat, agree, close_peer_connections, connect, fill_exit_barrier,
-                                 parse_address, peer_addresses)
+from ...recovery.inplace import (Heartbeat, close_peer_connections, connect, fill_exit_barrier, parse_address,
+                                 peer_addresses, survivors)
 from . import internals
 from .checkpoint import plan_of
 from .move import build_engine
@@ -140,7 +140,8 @@ def recover(engine: Any, error: BaseException) -> bool:
     # every live peer blocked in a collective with this rank fails now, not at the group's timeout
     closed = close_peer_connections(ip.peers, ip.keep)
     gen = ip.generation + 1
-    members = agree(ip.store, gen, rank, world, ip.settle_s, uids=ip.uids if ip.heartbeat is not None else None)
+    members, gen = survivors(ip.store, gen, rank, world, ip.settle_s,
+                             uids=ip.uids if ip.heartbeat is not None else None, warn=logger.warning)
     t_agree = time.perf_counter()
     if engine.pdv_snapshots is not None:  # nothing of the old world is sealed from here on
         engine.pdv_snapshots.abandon()
