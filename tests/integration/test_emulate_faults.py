@@ -135,15 +135,18 @@ def test_bench_faults_on_a_scenario(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_bench_faults_in_place(tmp_path):
-    """`pdv bench faults --scenario --in-place`: device b1 lost (data parallel over 4); the other three workers
-    go on in their processes (their torchrun agents restart nothing), within seconds, and their agents leave at
-    the end without waiting out torch's exit barrier for b1's (the whole run stays far under its 300 s).
-    (A lost host whose link drops before its connections close is left to the heartbeats: that path hung
-    in one run of three, docs/recovery.md; not tested here until it is found.)"""
+@pytest.mark.parametrize("lost", ["device", "host"])
+def test_bench_faults_in_place(tmp_path, lost):
+    """`pdv bench faults --scenario --in-place`: device b1 lost (data parallel over 4: three go on), or host B
+    lost (pipe 2 x data 2: host A's two go on as pipe 2 x data 1, host B's stage from the copies it had sent).
+    The survivors go on in their processes (their torchrun agents restart nothing), within seconds, and their
+    agents leave at the end without waiting out torch's exit barrier for the lost ones (the whole run stays
+    far under its 300 s). A lost host's link drops as its processes die: a rank of it may have reported to the
+    store first, and the survivors must not wait for it (that hung before `confirm`, docs/recovery.md)."""
     (tmp_path / "c.yaml").write_text(CLUSTER)
-    (tmp_path / "s.yaml").write_text("cluster: c.yaml\nrun: {pipe: 1, data: 4, steps: 10}\n"
-                                     "events:\n  - {at_step: 4, device: b1, down: true}\n")
+    run, event, left = (("{pipe: 1, data: 4, steps: 10}", "{at_step: 4, device: b1, down: true}", 3) if lost == "device"
+                        else ("{pipe: 2, data: 2, steps: 10}", "{at_step: 4, host: hostB, down: true}", 2))
+    (tmp_path / "s.yaml").write_text(f"cluster: c.yaml\nrun: {run}\nevents:\n  - {event}\n")
     p = subprocess.run([sys.executable, "-m", "pdv_ext.cli", "bench", "faults", "--scenario", str(tmp_path / "s.yaml"),
                         "--only", "recovered", "--hidden", "32", "--timeout", "200", "--in-place", "--json"],
                        capture_output=True, text=True, timeout=280, cwd=ROOT)
@@ -151,9 +154,9 @@ def test_bench_faults_in_place(tmp_path):
     res = json.loads(p.stdout.strip().splitlines()[-1])
     rec = res["recovered"]
     assert res["in_place"] and rec["in_place"] and res["completed"] and res["steps_lost"] <= 1, res
-    assert rec["world_after"] == 3 and set(res["recovery_parts_s"]) == {
+    assert rec["world_after"] == left and set(res["recovery_parts_s"]) == {
         "detection", "agreement", "group_and_engine", "state_load", "first_step"}, res
-    assert res["recovery_s"] < 20 and rec["wall_s"] < 200, res
+    assert res["recovery_s"] < 30 and rec["wall_s"] < 200, res
 
 
 @pytest.mark.timeout(420)
