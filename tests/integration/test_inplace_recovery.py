@@ -10,9 +10,15 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
+from pdv_ext.integrations.deepspeed.internals import gradients_are_micro_batch_means
 from pdv_ext.spawn import free_port, kill_group
 
 pytestmark = [pytest.mark.integration]
+#: after the resume, fewer replicas sum the same samples in another order (DeepSpeed >= 0.19.3); older releases
+#: sum the micro-batch gradients, so a new width changes the gradient's scale, which Adam mostly absorbs (the
+#: recovery says so in a warning)
+AFTER = 1e-4 if gradients_are_micro_batch_means() else 2e-3
+SCALE_WARNING = "sums the micro-batch gradients"
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
@@ -75,9 +81,10 @@ def test_a_lost_rank_costs_no_restart(tmp_path):
             if s <= resumed:
                 assert e["loss"] == ref_loss[s]
             else:
-                assert e["loss"] == pytest.approx(ref_loss[s], rel=1e-4)
-        assert logs[r][-1]["held_out"] == pytest.approx(ref[0][-1]["held_out"], rel=1e-4)
+                assert e["loss"] == pytest.approx(ref_loss[s], rel=AFTER)
+        assert logs[r][-1]["held_out"] == pytest.approx(ref[0][-1]["held_out"], rel=AFTER)
     assert max(_steps(logs[2])) == 6  # the victim: killed before step 7
+    assert (SCALE_WARNING in outs[0]) == (not gradients_are_micro_batch_means()), outs[0][-3000:]
 
 
 def test_a_lost_host_takes_a_stage_and_the_pipeline_goes_on(tmp_path):
@@ -96,5 +103,5 @@ def test_a_lost_host_takes_a_stage_and_the_pipeline_goes_on(tmp_path):
         assert rec[0]["plan"] == {"boundaries": [0, 4, 8], "rank_mapping": [[0], [1]]}
         resumed = rec[0]["step"]
         for s, e in _steps(logs[r]).items():
-            assert e["loss"] == ref_loss[s] if s <= resumed else e["loss"] == pytest.approx(ref_loss[s], rel=1e-4)
-        assert logs[r][-1]["held_out"] == pytest.approx(ref[0][-1]["held_out"], rel=1e-4)
+            assert e["loss"] == ref_loss[s] if s <= resumed else e["loss"] == pytest.approx(ref_loss[s], rel=AFTER)
+        assert logs[r][-1]["held_out"] == pytest.approx(ref[0][-1]["held_out"], rel=AFTER)

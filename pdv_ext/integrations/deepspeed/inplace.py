@@ -212,6 +212,13 @@ def _rebuild(engine: Any, ip: InPlace, gen: int, members: List[int], backend: st
                             world_size=new_world, timeout=timedelta(seconds=ip.timeout_s))
     lap("group_s")
     plan = _plan(engine, new_world)
+    width_before, width = int(engine.grid.get_data_parallel_world_size()), len(plan["rank_mapping"][0])
+    if width != width_before and not internals.gradients_are_micro_batch_means() and new_rank == 0:
+        logger.warning(f"pdv in-place recovery: {width_before} -> {width} replicas per stage on DeepSpeed "
+                       f"{internals.deepspeed_version()}, whose pipeline engine sums the micro-batch gradients: "
+                       f"from here the gradient is {width_before}/{width} of its scale before (as after any restart "
+                       "of such a job at another width); Adam absorbs most of it, the losses drift ~1e-4 from a "
+                       "run that kept its width. DeepSpeed >= 0.19.3 keeps the scale")
     new = internals.module_copy(engine)
     topo = MappedTopology(plan["rank_mapping"])
     internals.set_topology(new, topo)
