@@ -49,6 +49,19 @@ def connect(address: str, prefix: Optional[str] = None, timeout_s: float = 30.0)
     return store if prefix is None else PrefixStore(prefix, store)
 
 
+def _silent(store: Any, ranks: List[int], uids: List[int], beats: dict, now: float, silent_s: float) -> List[int]:
+    """Those of `ranks` whose heartbeat counter has not moved for `silent_s` (`beats`: each one's last count and
+    when it was first seen, kept by the caller across polls)."""
+    out = []
+    for r in ranks:
+        c = int(store.add(f"hb/{uids[r]}", 0))
+        if r not in beats or beats[r][0] != c:
+            beats[r] = (c, now)
+        if now - beats[r][1] >= silent_s:
+            out.append(r)
+    return out
+
+
 def agree(store: Any, gen: int, rank: int, world: int, settle_s: float, poll_s: float = 0.02,
           clock: Callable[[], float] = time.monotonic, uids: Optional[List[int]] = None,
           silent_s: float = 3.0) -> List[int]:
@@ -69,15 +82,7 @@ def agree(store: Any, gen: int, rank: int, world: int, settle_s: float, poll_s: 
         now = clock()
         alive = [r for r, k in enumerate(keys) if store.check([k])]
         missing = [r for r in range(world) if r not in alive]
-        silent = True
-        if uids is not None:
-            for r in missing:
-                c = int(store.add(f"hb/{uids[r]}", 0))
-                if r not in beats or beats[r][0] != c:
-                    beats[r] = (c, now)
-                silent = silent and now - beats[r][1] >= silent_s
-        else:
-            silent = False
+        silent = uids is not None and len(_silent(store, missing, uids, beats, now, silent_s)) == len(missing)
         if not missing or silent or now - start >= settle_s:
             # the first to get here writes its view; anyone later reads it (compare_set keeps the first)
             store.compare_set(f"g{gen}/decision", "", json.dumps(alive))
@@ -105,13 +110,7 @@ def confirm(store: Any, gen: int, rank: int, members: List[int], deadline_s: flo
     while not store.check([key]):
         now = clock()
         missing = [r for r in members if not store.check([f"g{gen}/ready/{r}"])]
-        silent = False
-        if uids is not None:
-            for r in missing:
-                c = int(store.add(f"hb/{uids[r]}", 0))
-                if r not in beats or beats[r][0] != c:
-                    beats[r] = (c, now)
-                silent = silent or now - beats[r][1] >= silent_s
+        silent = uids is not None and bool(_silent(store, missing, uids, beats, now, silent_s))
         if not missing or silent or now - start >= deadline_s:
             store.compare_set(key, "", "go" if not missing else "again")
             break
