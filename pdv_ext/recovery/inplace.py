@@ -64,7 +64,7 @@ def _silent(store: Any, ranks: List[int], uids: List[int], beats: dict, now: flo
 
 def agree(store: Any, gen: int, rank: int, world: int, settle_s: float, poll_s: float = 0.02,
           clock: Callable[[], float] = time.monotonic, uids: Optional[List[int]] = None,
-          silent_s: float = 3.0) -> List[int]:
+          silent_s: float = 3.0, beats: Optional[dict] = None) -> List[int]:
     """The ranks of the failed generation (`world` of them) that go on into generation `gen`, in their old
     order: the same list on every survivor. Raises NotASurvivor on a rank the others decided without.
 
@@ -75,7 +75,7 @@ def agree(store: Any, gen: int, rank: int, world: int, settle_s: float, poll_s: 
     store.set(f"g{gen}/alive/{rank}", "1")
     start = clock()
     keys = [f"g{gen}/alive/{r}" for r in range(world)]
-    beats: dict = {}
+    beats = {} if beats is None else beats  # (a caller's, kept across rounds: a silence already seen counts)
     while True:
         if store.check([f"g{gen}/decision"]):
             break
@@ -97,7 +97,7 @@ def agree(store: Any, gen: int, rank: int, world: int, settle_s: float, poll_s: 
 
 def confirm(store: Any, gen: int, rank: int, members: List[int], deadline_s: float, poll_s: float = 0.02,
             clock: Callable[[], float] = time.monotonic, uids: Optional[List[int]] = None,
-            silent_s: float = 3.0) -> bool:
+            silent_s: float = 3.0, beats: Optional[dict] = None) -> bool:
     """Whether every member of generation `gen` (`agree`'s list) is still there to form it: the same answer on
     every member. A rank can report and die after (a host whose link dropped first: its rank saw the error,
     reported, and went with the host); the new world would then wait for it to connect. Each member says it
@@ -106,7 +106,8 @@ def confirm(store: Any, gen: int, rank: int, members: List[int], deadline_s: flo
     next generation (the silent rank does not report there). The first to know writes the answer
     (compare-and-set), so that no member goes on while another starts over."""
     store.set(f"g{gen}/ready/{rank}", "1")
-    start, beats, key = clock(), {}, f"g{gen}/outcome"
+    start, key = clock(), f"g{gen}/outcome"
+    beats = {} if beats is None else beats
     while not store.check([key]):
         now = clock()
         missing = [r for r in members if not store.check([f"g{gen}/ready/{r}"])]
@@ -123,9 +124,10 @@ def survivors(store: Any, gen: int, rank: int, world: int, settle_s: float,
               warn: Callable[[str], None] = lambda msg: None) -> Tuple[List[int], int]:
     """`agree`, then `confirm`, again in the next generation until a world stays: (its members, its
     generation). Raises NotASurvivor when this rank is left out, or when no world stays in `world` rounds."""
+    beats: dict = {}  # one record of the heartbeats for every round: a rank found silent is not timed again
     for _ in range(world):  # each round that ends without a member leaves out at least that one next time
-        members = agree(store, gen, rank, world, settle_s, uids=uids, silent_s=silent_s)
-        if confirm(store, gen, rank, members, settle_s, uids=uids, silent_s=silent_s):
+        members = agree(store, gen, rank, world, settle_s, uids=uids, silent_s=silent_s, beats=beats)
+        if confirm(store, gen, rank, members, settle_s, uids=uids, silent_s=silent_s, beats=beats):
             return members, gen
         warn(f"pdv in-place recovery: a rank of {members} reported and went silent before generation {gen} "
              "formed; agreeing again")

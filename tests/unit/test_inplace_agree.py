@@ -233,7 +233,7 @@ def test_a_rank_that_reports_and_dies_is_left_out_in_the_next_generation(server)
     out, warned = {}, []
     try:
         ths = [threading.Thread(target=lambda r=r: out.setdefault(r, survivors(
-            connect(server, "job/e5/"), 1, r, 3, 20.0, uids=[0, 1, 2], silent_s=1.0, warn=warned.append)))
+            connect(server, "job/e5/"), 1, r, 3, 20.0, uids=[0, 1, 2], silent_s=2.0, warn=warned.append)))
             for r in (0, 1)]
         t0 = time.monotonic()
         for th in ths:
@@ -246,4 +246,6 @@ def test_a_rank_that_reports_and_dies_is_left_out_in_the_next_generation(server)
         t.join(5)
     assert out == {0: ([0, 1], 2), 1: ([0, 1], 2)}, out
     assert len(warned) == 2 and "[0, 1, 2]" in warned[0], warned
-    assert took < 10.0  # rank 2's silence, twice (1 s each), not the 20 s deadline
+    # rank 2's silence timed once (2 s): the second agreement knows it already (timed again it took 4 s), and
+    # never the 20 s deadline
+    assert took < 3.5, took
