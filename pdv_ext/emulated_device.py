@@ -18,6 +18,7 @@ the device's group itself (`enter_device_group`, called by `pdv_ext.initialize`)
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Optional
 
@@ -76,6 +77,24 @@ def device_clock() -> Optional[DeviceClock]:
     """This rank's emulated device clock, or None when it does not run on an emulated device."""
     group = os.environ.get(ENV)
     return DeviceClock(group) if group and os.path.isdir(group) else None
+
+
+#: `pdv emulate` sets it in every rank's environment (the run's name)
+EMULATION_ENV = "PDV_EMULATION"
+#: the signal on which a rank under `pdv emulate` prints every thread's Python stack (a run that timed out)
+STACKS_SIGNAL = signal.SIGUSR1
+
+
+def dump_stacks_on_signal() -> bool:
+    """Under `pdv emulate`, print every thread's Python stack to stderr on SIGUSR1: the emulator sends it to
+    the ranks of a run that timed out, so that a hang says where each rank waits (in CI, where no debugger
+    attaches). Not outside the emulator: a user's job may use SIGUSR1 (SLURM's warning before a time limit)."""
+    if not os.environ.get(EMULATION_ENV):
+        return False
+    import faulthandler
+
+    faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=False)
+    return True
 
 
 def enter_device_group() -> bool:

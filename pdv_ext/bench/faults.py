@@ -203,6 +203,13 @@ def _scenario(path: str):
     return sc, cluster_path, cluster, lost, left
 
 
+def stacks_of(text: str, limit: int = 20000) -> str:
+    """The ranks' stacks in a run's output (`pdv emulate` asks for them when the run times out), for the
+    error: where each rank waited. Empty when there are none."""
+    keep = [ln for ln in text.splitlines() if "Thread 0x" in ln or "Current thread" in ln or 'File "' in ln]
+    return "\n--- the ranks' stacks (run timed out) ---\n" + "\n".join(keep)[-limit:] if keep else ""
+
+
 def _emulate(work: str, name: str, cluster_path: str, events: Optional[str], job: List[str],
              timeout: float, startup_on_host: bool = True) -> Dict[str, Any]:
     """One `pdv emulate` run of faults_job.py; its logs, the fault's wall time and the run's wall time."""
@@ -217,7 +224,8 @@ def _emulate(work: str, name: str, cluster_path: str, events: Optional[str], job
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60)
     wall = time.time() - t0
     if p.returncode != 0:
-        raise RuntimeError(f"{name}: pdv emulate exited with {p.returncode}: {(p.stdout + p.stderr)[-3000:]}")
+        text = p.stdout + p.stderr
+        raise RuntimeError(f"{name}: pdv emulate exited with {p.returncode}: {text[-3000:]}{stacks_of(text)}")
     rows = []
     if os.path.exists(ev_log):
         with open(ev_log, encoding="utf-8") as f:

@@ -26,6 +26,7 @@ from typing import BinaryIO, Dict, List, Optional, Sequence
 
 from ..emulated_device import ENTER_ENV as DEVICE_ENTER
 from ..emulated_device import ENV as DEVICE_CGROUP
+from ..emulated_device import STACKS_SIGNAL as DUMP_SIGNAL
 from ..recovery.keeper import CGROUP_ENV as KEEPER_CGROUP
 from ..spawn import default_env, kill_group
 from . import cgroup, netns
@@ -304,6 +305,7 @@ class Emulation:
             if deadline is not None and time.monotonic() > deadline:
                 if first is None:
                     self.log(f"timed out after {self.timeout:.0f}s")
+                    self.dump_stacks()
                     return TIMEOUT_EXIT
                 break
             time.sleep(0.05)
@@ -312,6 +314,31 @@ class Emulation:
         self.failed_rank = first[0]
         code = first[1]
         return 128 - code if code < 0 else code
+
+    def dump_stacks(self, wait_s: float = 2.0) -> int:
+        """Have every rank still running print its threads' stacks (SIGUSR1, which a rank under the emulator
+        takes for that: `emulated_device.dump_stacks_on_signal`), and give their lines `wait_s` to come
+        through. Only processes that catch the signal get it (its default action ends a process). Returns how
+        many were asked."""
+        import psutil
+
+        n = 0
+        for p in self.procs:
+            try:
+                procs = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+            except psutil.Error:
+                continue
+            for q in procs:
+                if catches(q.pid, DUMP_SIGNAL):
+                    try:
+                        os.kill(q.pid, DUMP_SIGNAL)
+                        n += 1
+                    except OSError:
+                        pass
+        if n:
+            self.log(f"asked {n} rank process(es) for their stacks")
+            time.sleep(wait_s)
+        return n
 
     def cleanup(self) -> None:
         """Stop the event player, then remove processes, cgroups and namespaces of this run (safe to call more
@@ -364,6 +391,18 @@ class Emulation:
                     signal.signal(signal.SIGINT, signal.default_int_handler)
                     for sig, h in old.items():
                         signal.signal(sig, h)
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (its SigCgt mask in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def _raise_exit(signum, frame):

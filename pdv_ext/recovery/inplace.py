@@ -243,6 +243,17 @@ def close_peer_connections(peers: "set[str]", keep: "tuple[str, int]") -> int:
     return n
 
 
+def begun_key(gen: int) -> str:
+    return f"g{int(gen)}/begun"
+
+
+def begin(store: Any, gen: int) -> None:
+    """Say that a recovery into generation `gen` has begun: every rank's heartbeat sees it within its interval
+    and makes this rank join, whatever it waits on (`Heartbeat.on_begun`). The first rank that finds a peer
+    gone says it; the others' saying it again changes nothing."""
+    store.set(begun_key(gen), "1")
+
+
 class Heartbeat:
     """Each rank's pulse in the recovery store, and its watch on the others': a host that vanishes without
     closing its connections (power, network) leaves its peers blocked in a collective until the group's
@@ -253,10 +264,15 @@ class Heartbeat:
     sets whom to watch (the survivors, after a recovery)."""
 
     def __init__(self, address: str, prefix: str, uid: int, uids: List[int], on_lost: Callable[[List[int]], None],
-                 interval_s: float = 0.5, dead_after_s: float = 4.0):
+                 interval_s: float = 0.5, dead_after_s: float = 4.0,
+                 on_begun: Optional[Callable[[int], None]] = None):
         self.address, self.prefix, self.uid = address, prefix, int(uid)
-        self.interval_s, self.dead_after_s, self.on_lost = interval_s, dead_after_s, on_lost
+        self.interval_s, self.dead_after_s, self.on_lost, self.on_begun = interval_s, dead_after_s, on_lost, on_begun
         self._watch = [int(u) for u in uids if int(u) != self.uid]
+        #: set when a peer is taken for lost or another rank began a recovery (`begin`): a wait of this rank
+        #: that no connection ends (the snapshot in flight) gives up on it (cleared by `watch`)
+        self.interrupted = threading.Event()
+        self.generation = 0  # the world this rank is in: a recovery into the next one is watched for
         self._stop = threading.Event()
         self._fired: set = set()
         self._paused = False
@@ -267,10 +283,13 @@ class Heartbeat:
         # exit -6) at the end of a job that trained to the end (seen under load, 1 run in 5)
         atexit.register(self.stop)
 
-    def watch(self, uids: List[int]) -> None:
-        """Watch `uids` (this rank's world, after a recovery) from now on."""
+    def watch(self, uids: List[int], generation: Optional[int] = None) -> None:
+        """Watch `uids` (this rank's world, after a recovery into `generation`) from now on."""
         self._watch = [int(u) for u in uids if int(u) != self.uid]
         self._fired = set()
+        if generation is not None:
+            self.generation = int(generation)
+        self.interrupted.clear()
         self._paused = False
 
     def pause(self) -> None:
@@ -296,6 +315,8 @@ class Heartbeat:
                 store.add(f"hb/{self.uid}", 1)
                 watch = list(self._watch)
                 counts = {u: int(store.add(f"hb/{u}", 0)) for u in watch}
+                gen = self.generation + 1
+                begun = self.on_begun is not None and store.check([begun_key(gen)])
             except Exception as exc:  # noqa: BLE001 - the store unreachable: try again, say so once
                 if not warned:
                     log.warning(f"pdv in-place recovery: heartbeat: the store at {self.address} failed ({exc}); "
@@ -310,8 +331,16 @@ class Heartbeat:
             lost = [u for u in watch if now - seen[u][1] > self.dead_after_s and u not in self._fired]
             if lost and not self._paused:
                 self._fired.update(lost)
+                self.interrupted.set()
                 try:
                     self.on_lost(lost)
+                except Exception:  # noqa: BLE001
+                    pass
+            if begun and not self._paused and ("begun", gen) not in self._fired:
+                self._fired.add(("begun", gen))
+                self.interrupted.set()
+                try:
+                    self.on_begun(gen)
                 except Exception:  # noqa: BLE001
                     pass
             self._stop.wait(self.interval_s)

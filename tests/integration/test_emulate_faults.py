@@ -30,6 +30,13 @@ CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
           "gradient_clipping": 1.0, "steps_per_print": 10 ** 9, "pdv": {"snapshots": {"every": 1}}}
 
 
+def failure_text(stderr: str) -> str:
+    """The end of a failed run's output and, where it timed out, every rank's stacks: where each one waited."""
+    from pdv_ext.bench.faults import stacks_of
+
+    return stderr[-3000:] + stacks_of(stderr)
+
+
 def _run(tmp_path, events, stages, steps, grad_acc=2):
     (tmp_path / "c.yaml").write_text(CLUSTER)
     (tmp_path / "ev.yaml").write_text(events)
@@ -123,7 +130,7 @@ def test_bench_faults_on_a_scenario(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pdv_ext.cli", "bench", "faults", "--scenario", str(tmp_path / "s.yaml"),
                         "--only", "recovered", "--hidden", "32", "--timeout", "200", "--json"],
                        capture_output=True, text=True, timeout=280, cwd=ROOT)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, failure_text(p.stderr)
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["completed"] and res["steps_lost"] <= 1 and res["recovered"]["world_after"] == 2, res
     assert res["recovery_s"] > 0 and set(res["recovery_parts_s"]) == {"restart", "startup", "state_load", "first_step"}
@@ -155,7 +162,7 @@ def test_bench_faults_in_place(tmp_path, lost):
     p = subprocess.run([sys.executable, "-m", "pdv_ext.cli", "bench", "faults", "--scenario", str(tmp_path / "s.yaml"),
                         "--only", "recovered", "--hidden", "32", "--timeout", "200", "--in-place", "--json"],
                        capture_output=True, text=True, timeout=280, cwd=ROOT)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, failure_text(p.stderr)
     res = json.loads(p.stdout.strip().splitlines()[-1])
     rec = res["recovered"]
     assert res["in_place"] and rec["in_place"] and res["completed"] and res["steps_lost"] <= 1, res

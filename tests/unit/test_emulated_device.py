@@ -121,3 +121,37 @@ def test_a_lost_device_takes_its_starting_worker_with_it(tmp_path, monkeypatch):
     monkeypatch.setattr(cgroup, "kill_all", lambda path, deadline: killed.append(path))
     groups.kill(0)
     assert killed == [str(tmp_path / "d0-start"), str(tmp_path / "d0")]
+
+
+
+def test_a_rank_under_the_emulator_prints_its_stacks_on_the_signal_and_only_it_gets_it():
+    """A run that times out asks its ranks where they wait (`Emulation.dump_stacks`): a rank under `pdv emulate`
+    prints every thread's stack on SIGUSR1; a process that does not catch it is not sent it (it would die)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from pdv_ext.emulate.launcher import catches
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("from pdv_ext.emulated_device import dump_stacks_on_signal as d; import time\n"
+            "print(d(), flush=True)\n"
+            "def waits_here():\n    time.sleep(60)\n"
+            "waits_here()\n")
+    env = {k: v for k, v in os.environ.items() if k != "PDV_EMULATION"}
+    env["PYTHONPATH"] = root
+    procs = [subprocess.Popen([sys.executable, "-c", code], env={**env, **extra}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for extra in ({"PDV_EMULATION": "pdv-x"}, {})]
+    ranked, plain = procs
+    try:
+        assert ranked.stdout.readline().strip() == "True" and plain.stdout.readline().strip() == "False"
+        assert catches(ranked.pid, signal.SIGUSR1) and not catches(plain.pid, signal.SIGUSR1)
+        os.kill(ranked.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        assert ranked.poll() is None  # printed, still running
+    finally:
+        for p in procs:
+            p.kill()
+    err = ranked.communicate()[1]
+    assert "most recent call first" in err and "waits_here" in err, err

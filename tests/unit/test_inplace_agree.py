@@ -249,3 +249,64 @@ def test_a_rank_that_reports_and_dies_is_left_out_in_the_next_generation(server)
     # rank 2's silence timed once (2 s): the second agreement knows it already (timed again it took 4 s), and
     # never the 20 s deadline
     assert took < 3.5, took
+
+
+def test_a_recovery_begun_elsewhere_reaches_every_heartbeat(server):
+    """A rank that is not in a collective when its peer dies (it waits on its own snapshot thread, or computes)
+    learns of the recovery from its heartbeat: `begin` in the store -> `on_begun` once, `interrupted` set; after
+    its own recovery into that generation (`watch`) it is cleared, and the next generation is watched for."""
+    import time
+
+    from pdv_ext.recovery.inplace import Heartbeat, begin
+
+    got = []
+    beat = Heartbeat(server, "job/e6/", 0, [0, 1], lambda u: None, interval_s=0.05, dead_after_s=60,
+                     on_begun=got.append)
+    try:
+        time.sleep(0.3)
+        assert got == [] and not beat.interrupted.is_set()
+        begin(connect(server, "job/e6/"), 1)
+        assert beat.interrupted.wait(5) and _until(lambda: got == [1]), got
+        time.sleep(0.3)
+        assert got == [1]  # once per generation
+        beat.watch([0, 1], generation=1)
+        assert not beat.interrupted.is_set()
+        begin(connect(server, "job/e6/"), 1)  # (said again by a late rank: nothing new)
+        time.sleep(0.3)
+        assert got == [1] and not beat.interrupted.is_set()
+        begin(connect(server, "job/e6/"), 2)
+        assert beat.interrupted.wait(5) and _until(lambda: got == [1, 2]), got
+    finally:
+        beat.stop()
+
+
+def _until(cond, timeout_s=5.0):
+    import time
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def test_a_wait_for_the_snapshot_in_flight_gives_up_when_interrupted():
+    """`Snapshots.wait` on a thread that does not end (it waits on a lost peer) returns as an error that
+    in-place recovery takes for a lost peer once the heartbeat's `interrupted` is set; without it, it waits."""
+    from pdv_ext.integrations.deepspeed.inplace import lost_peer
+    from pdv_ext.integrations.deepspeed.snapshots import InterruptedWait, Snapshots
+
+    release = threading.Event()
+    snaps = Snapshots.__new__(Snapshots)  # (the wait alone: no process group)
+    snaps._thread = threading.Thread(target=release.wait, daemon=True)
+    snaps._thread.start()
+    snaps._error, snaps.interrupt = None, threading.Event()
+    threading.Timer(0.3, snaps.interrupt.set).start()
+    with pytest.raises(InterruptedWait) as err:
+        snaps.wait()
+    assert lost_peer(err.value)
+    snaps.interrupt.clear()
+    threading.Timer(0.3, release.set).start()
+    snaps.wait()  # the thread ends: no error
+    assert snaps._thread is None

@@ -20,7 +20,7 @@ from ...aggregation import Aggregator, bind_group, build_aggregator
 from ...aggregation.faults import loss_scale_overflow
 from ...comm import TorchComm, host_twin
 from ...config import ConfigError, PDVConfig, split_config
-from ...emulated_device import enter_device_group
+from ...emulated_device import dump_stacks_on_signal, enter_device_group
 from ...log import apply_log_level, logger
 from ...user_errors import exit_if_uncaught
 from . import internals
@@ -627,6 +627,7 @@ def initialize(args: Any = None,
     0) and exit status 2, without a traceback per rank (`pdv_ext.user_errors.exit_if_uncaught`).
     """
     enter_device_group()  # on the emulated cluster: the start-up so far ran on the host's CPU (--startup-on-host)
+    dump_stacks_on_signal()  # on the emulated cluster: a run that times out prints where each rank waits
     if config is None and config_params is not None:
         config = config_params
     from_args = None  # the caller's --deepspeed_config, kept in args (hidden from deepspeed.initialize below)

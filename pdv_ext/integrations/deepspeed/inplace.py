@@ -35,12 +35,13 @@ import torch.distributed as dist
 from ...config_base import ConfigError
 from ...log import logger
 from ...placement.plan import Layout, row_major_mapping
-from ...recovery.inplace import (Heartbeat, close_peer_connections, connect, fill_exit_barrier, parse_address,
-                                 peer_addresses, survivors)
+from ...recovery.inplace import (Heartbeat, begin, close_peer_connections, connect, fill_exit_barrier,
+                                 parse_address, peer_addresses, survivors)
 from . import internals
 from .checkpoint import plan_of
 from .move import build_engine
 from .runtime import runtime_of
+from .snapshots import InterruptedWait
 from .topology import MappedTopology, build_stage_layers, link_tied_layers
 
 #: the exit status of a rank that could not recover in place (its launcher restarts it)
@@ -104,7 +105,15 @@ def setup(engine: Any, cfg: Any) -> Optional[InPlace]:
         logger.warning(f"pdv in-place recovery: no heartbeat from rank(s) {uids} for {cfg.heartbeat_dead_s:g} s: "
                        f"{n} connection(s) of the old world shut down")
 
-    beat = Heartbeat(address, prefix, rank, list(range(world)), on_lost, dead_after_s=cfg.heartbeat_dead_s)
+    def on_begun(gen: int) -> None:  # another rank began a recovery: join it, whatever this one waits on
+        n = close_peer_connections(peers, keep)
+        logger.warning(f"pdv in-place recovery: another rank began recovering (generation {gen}): {n} "
+                       "connection(s) of the old world shut down")
+
+    beat = Heartbeat(address, prefix, rank, list(range(world)), on_lost, dead_after_s=cfg.heartbeat_dead_s,
+                     on_begun=on_begun)
+    if engine.pdv_snapshots is not None:  # a wait for the snapshot in flight gives up when a recovery begins
+        engine.pdv_snapshots.interrupt = beat.interrupted
     return InPlace(store=PrefixStore(prefix, raw), settle_s=cfg.settle_s, timeout_s=cfg.timeout, raw_store=raw,
                    peers=peers, keep=keep, uids=list(range(world)), heartbeat=beat,
                    agents=[int(a) for a in agents] if all(a is not None for a in agents) else None,
@@ -114,6 +123,8 @@ def setup(engine: Any, cfg: Any) -> Optional[InPlace]:
 def lost_peer(error: BaseException) -> bool:
     """Whether `error` is what a collective raises when a peer is gone (a torch distributed error, or gloo's or
     NCCL's words for a closed or silent connection)."""
+    if isinstance(error, InterruptedWait):  # this rank waited on its snapshot when a peer was lost
+        return True
     dist_error = getattr(dist, "DistError", None)
     if dist_error is not None and isinstance(error, dist_error):
         return True
@@ -140,6 +151,10 @@ def recover(engine: Any, error: BaseException) -> bool:
     # every live peer blocked in a collective with this rank fails now, not at the group's timeout
     closed = close_peer_connections(ip.peers, ip.keep)
     gen = ip.generation + 1
+    try:  # every other rank's heartbeat sees it and makes that rank join, whatever it waits on
+        begin(ip.store, gen)
+    except Exception as exc:  # noqa: BLE001 - the agreement below says what is wrong with the store
+        logger.warning(f"pdv in-place recovery: could not announce the recovery ({exc})")
     members, gen = survivors(ip.store, gen, rank, world, ip.settle_s,
                              uids=ip.uids if ip.heartbeat is not None else None, warn=logger.warning)
     t_agree = time.perf_counter()
@@ -256,7 +271,9 @@ def _rebuild(engine: Any, ip: InPlace, gen: int, members: List[int], backend: st
         ip.agents = [ip.agents[r] for r in members]
     ip.uids = [ip.uids[r] for r in members]
     if ip.heartbeat is not None:
-        ip.heartbeat.watch(ip.uids)
+        ip.heartbeat.watch(ip.uids, generation=gen)
+        if engine.pdv_snapshots is not None:
+            engine.pdv_snapshots.interrupt = ip.heartbeat.interrupted
     rt.in_place = ip
     lap("commit_s")
     return {"step": int(step), "generation": gen, "world": new_world, "plan": plan, **times}

@@ -162,6 +162,11 @@ class _Plan:
                    collective or any(g for _, g in layers), groups)
 
 
+class InterruptedWait(RuntimeError):
+    """A wait for the snapshot in flight given up because a peer was lost: in-place recovery takes it for a
+    lost peer (its words say so)."""
+
+
 class Snapshots:
     """A job's snapshots as this rank sees them (`engine.pdv_snapshots`): `take(engine)` after a step,
     `resume(engine)` at start-up. Holds no engine (a move swaps the engine's state for a new one's)."""
@@ -180,6 +185,9 @@ class Snapshots:
         # set by `abandon` (in-place recovery): the snapshot in flight, if any, seals nothing after that
         self._abandoned = False
         self._seal_lock = threading.Lock()
+        #: in-place recovery's signal that a peer is lost or a recovery began (the heartbeat's): `wait` gives up
+        #: then, instead of waiting on a thread that may wait on the lost peer (or on a live one's silence)
+        self.interrupt: Optional[threading.Event] = None
         self.resumed: Dict[str, float] = {}  # the last resume: its step and seconds
         #: what this job's seals carry (recovery/store.py): 0, then one more than the newest seen at each resume
         self.generation = 0
@@ -230,7 +238,11 @@ class Snapshots:
     def wait(self) -> None:
         """Finish the snapshot in flight, if any (its error, if it failed, is raised here)."""
         if self._thread is not None:
-            self._thread.join()
+            while self._thread.is_alive():
+                self._thread.join(0.1)
+                if self.interrupt is not None and self.interrupt.is_set() and self._thread.is_alive():
+                    raise InterruptedWait("pdv.snapshots: a peer was lost (or a recovery began) while this rank "
+                                          "waited for the snapshot in flight")
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
