@@ -225,7 +225,11 @@ def _emulate(work: str, name: str, cluster_path: str, events: Optional[str], job
     wall = time.time() - t0
     if p.returncode != 0:
         text = p.stdout + p.stderr
-        raise RuntimeError(f"{name}: pdv emulate exited with {p.returncode}: {text[-3000:]}{stacks_of(text)}")
+        kept = os.path.join(tempfile.gettempdir(), f"pdv-bench-faults-{name}-{os.getpid()}.log")
+        with open(kept, "w", encoding="utf-8") as f:  # the whole of it, every rank's lines: the work dir goes
+            f.write(text)
+        raise RuntimeError(f"{name}: pdv emulate exited with {p.returncode} (its whole output: {kept}): "
+                           f"{text[-3000:]}{stacks_of(text)}")
     rows = []
     if os.path.exists(ev_log):
         with open(ev_log, encoding="utf-8") as f:
