@@ -9,7 +9,9 @@ builds the twin; pdv's DeepSpeed integration and policy engine do so whenever th
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Sequence
+import threading
+from datetime import timedelta
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,6 +19,45 @@ import torch.distributed as dist
 from .base import Comm, Message, parts
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+#: in-place recovery's signal that a peer is lost or a recovery began (`set_interrupt`): a collective on a
+#: gloo group then waits in slices and gives up once it is set
+_interrupt: Optional[threading.Event] = None
+_SLICE = timedelta(seconds=0.25)
+
+
+class InterruptedCollective(RuntimeError):
+    """A collective given up because in-place recovery said a peer is lost (the words say so: recovery takes
+    it for a lost peer, as it takes gloo's own errors)."""
+
+
+def set_interrupt(event: Optional[threading.Event]) -> None:
+    """Have this process's collectives on gloo groups give up when `event` is set (None: wait as the backend
+    does). In-place recovery passes its heartbeat's `interrupted`: a collective that no closed connection
+    ends (seen on the emulated cluster: a survivor's gradient all-reduce waiting on peers that had already
+    left for the recovery, its connections all closed) then raises, and the rank joins the recovery."""
+    global _interrupt
+    _interrupt = event
+
+
+def _finish(work: Any, pg: Optional[dist.ProcessGroup]) -> None:
+    """Wait for `work`: whole, or on gloo with an interrupt set, in slices that look at it. Not on NCCL: a
+    wait with a timeout there blocks the host until the GPU is done."""
+    if work is None:
+        return
+    ev = _interrupt
+    if ev is None or dist.get_backend(pg) != "gloo":
+        work.wait()
+        return
+    while True:
+        try:
+            work.wait(timeout=_SLICE)
+            return
+        except RuntimeError as exc:
+            if "timed out" not in str(exc):
+                raise
+        if ev.is_set():
+            raise InterruptedCollective("pdv: a collective given up: a peer was lost (in-place recovery began)")
 
 
 class TorchComm(Comm):
@@ -72,16 +113,19 @@ class TorchComm(Comm):
         if self.size == 1:
             return tensor
         if op == "avg":
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._pg(tensor))
+            pg = self._pg(tensor)
+            _finish(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=pg, async_op=True), pg)
             return tensor.div_(self.size)
-        dist.all_reduce(tensor, op=_OPS[op], group=self._pg(tensor))
+        pg = self._pg(tensor)
+        _finish(dist.all_reduce(tensor, op=_OPS[op], group=pg, async_op=True), pg)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
         if self.size == 1:
             return [tensor.clone()]
         out = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(out, tensor.contiguous(), group=self._pg(tensor))
+        pg = self._pg(tensor)
+        _finish(dist.all_gather(out, tensor.contiguous(), group=pg, async_op=True), pg)
         return out
 
     def _gather_rows(self, out: torch.Tensor) -> None:
@@ -100,7 +144,8 @@ class TorchComm(Comm):
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.size > 1:
-            dist.broadcast(tensor, src=self._global[src], group=self._pg(tensor))
+            pg = self._pg(tensor)
+            _finish(dist.broadcast(tensor, src=self._global[src], group=pg, async_op=True), pg)
         return tensor
 
     def exchange(self, sends: Dict[int, Message], recvs: Dict[int, Message],
@@ -130,7 +175,7 @@ class TorchComm(Comm):
                 dst.copy_(src)
         if ops:
             for req in dist.batch_isend_irecv(ops):
-                req.wait()
+                _finish(req, pg)
         for dst, buf in staged:
             dst.copy_(buf)
 
@@ -144,18 +189,20 @@ class TorchComm(Comm):
             dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=self.group)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
-        dist.send(tensor.contiguous(), self._global[dst], group=self._pg(tensor))
+        pg = self._pg(tensor)
+        _finish(dist.isend(tensor.contiguous(), self._global[dst], group=pg), pg)
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         buf = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        dist.recv(buf, self._global[src], group=self._pg(buf))
+        pg = self._pg(buf)
+        _finish(dist.irecv(buf, self._global[src], group=pg), pg)
         if buf is not tensor:
             tensor.copy_(buf)
         return tensor
 
     def barrier(self) -> None:
         if self.size > 1:
-            dist.barrier(group=self.group)
+            _finish(dist.barrier(group=self.group, async_op=True), self.group)
 
 
 def world_comm() -> TorchComm:

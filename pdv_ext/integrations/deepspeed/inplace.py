@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
+from ...comm.torch_comm import InterruptedCollective, set_interrupt
 from ...config_base import ConfigError
 from ...log import logger
 from ...placement.plan import Layout, row_major_mapping
@@ -114,6 +115,7 @@ def setup(engine: Any, cfg: Any) -> Optional[InPlace]:
                      on_begun=on_begun)
     if engine.pdv_snapshots is not None:  # a wait for the snapshot in flight gives up when a recovery begins
         engine.pdv_snapshots.interrupt = beat.interrupted
+    set_interrupt(beat.interrupted)  # ... and so do the aggregators' collectives (on gloo)
     return InPlace(store=PrefixStore(prefix, raw), settle_s=cfg.settle_s, timeout_s=cfg.timeout, raw_store=raw,
                    peers=peers, keep=keep, uids=list(range(world)), heartbeat=beat,
                    agents=[int(a) for a in agents] if all(a is not None for a in agents) else None,
@@ -123,7 +125,7 @@ def setup(engine: Any, cfg: Any) -> Optional[InPlace]:
 def lost_peer(error: BaseException) -> bool:
     """Whether `error` is what a collective raises when a peer is gone (a torch distributed error, or gloo's or
     NCCL's words for a closed or silent connection)."""
-    if isinstance(error, InterruptedWait):  # this rank waited on its snapshot when a peer was lost
+    if isinstance(error, (InterruptedWait, InterruptedCollective)):  # a wait of this rank's, given up (a peer lost)
         return True
     dist_error = getattr(dist, "DistError", None)
     if dist_error is not None and isinstance(error, dist_error):
