@@ -19,6 +19,7 @@ def main() -> None:
     ap.add_argument("--pipe", type=int, default=1)
     ap.add_argument("--victims", default="", help="ranks that kill themselves (comma-separated)")
     ap.add_argument("--die-at", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=60, help="pdv.snapshots.timeout (the new world's too)")
     args = ap.parse_args()
 
     import deepspeed
@@ -40,7 +41,7 @@ def main() -> None:
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 12 // (world // args.pipe),
            "steps_per_print": 10 ** 9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
            "pdv": {"snapshots": {"root": args.root, "job": "inplace-test", "every": 1, "in_place": True,
-                                 "timeout": 60}}}
+                                 "timeout": args.timeout}}}
     if args.pipe > 1:  # each stage's replicas on one host (a host lost takes a stage's every replica)
         dp = world // args.pipe
         cfg["pdv"]["placement"] = {"boundaries": [round(8 * s / args.pipe) for s in range(args.pipe + 1)],

@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-def _job(tmp, name, world, *extra, timeout=300, hosts=None):
+def _job(tmp, name, world, *extra, timeout=300, hosts=None, env_extra=None):
     out = tmp / name
     out.mkdir()
     port = free_port()
@@ -33,7 +33,8 @@ def _job(tmp, name, world, *extra, timeout=300, hosts=None):
     for r in range(world):
         env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "RANK": str(r),
                "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master),
-               "PDV_RECOVERY_STORE": f"127.0.0.1:{port}", "PDV_HOST": (hosts or "h" * world)[r]}
+               "PDV_RECOVERY_STORE": f"127.0.0.1:{port}", "PDV_HOST": (hosts or "h" * world)[r],
+               **(env_extra or {})}
         procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "inplace_job.py"), "--out", str(out),
                                        "--root", str(tmp / f"{name}-shm"), *extra], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
@@ -105,3 +106,24 @@ def test_a_lost_host_takes_a_stage_and_the_pipeline_goes_on(tmp_path):
         for s, e in _steps(logs[r]).items():
             assert e["loss"] == ref_loss[s] if s <= resumed else e["loss"] == pytest.approx(ref_loss[s], rel=AFTER)
         assert logs[r][-1]["held_out"] == pytest.approx(ref[0][-1]["held_out"], rel=AFTER)
+
+
+@pytest.mark.parametrize("phase", ["form", "load"])
+def test_a_second_loss_while_the_survivors_recover(tmp_path, phase):
+    """Data parallel over 4; rank 3 dies before step 7, and rank 2 dies in the recovery (injected,
+    `PDV_INPLACE_FAULT`): after the four agreed on three (`form`: before the new world's process group) or
+    once the new world's engine is built (`load`: before the snapshot is loaded). The new world fails before
+    it took over anything; ranks 0 and 1 agree again without rank 2 and go on as 2 replicas from the newest
+    snapshot, within the new world's timeout (here 15 s) and the agreements' seconds."""
+    rcs, outs, logs = _job(tmp_path, "second", 4, "--victims", "3", "--die-at", "7", "--steps", "10",
+                           "--timeout", "15", env_extra={"PDV_INPLACE_FAULT": f"{phase}:2"}, timeout=240)
+    assert rcs[:2] == [0, 0] and rcs[2:] == [-9, -9], "\n".join(o[-3000:] for o in outs[:2])
+    for r in (0, 1):
+        rec = logs[r][-1]["recoveries"]
+        assert len(rec) == 1 and rec[0]["world"] == 2 and rec[0]["old_world"] == 4, rec
+        assert rec[0]["generation"] >= 2 and rec[0]["step"] in (5, 6), rec  # agreed again: a later generation
+        assert rec[0]["seconds"] < 60, rec
+        steps = _steps(logs[r])
+        assert max(steps) == 10 and {steps[s]["world"] for s in range(rec[0]["step"] + 1, 11)} == {2}
+        assert all(e["loss"] == e["loss"] for e in steps.values())  # (finite: no NaN)
+    assert "agreeing again without the ranks that went silent" in outs[0], outs[0][-3000:]

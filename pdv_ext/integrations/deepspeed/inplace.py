@@ -157,24 +157,33 @@ def recover(engine: Any, error: BaseException) -> bool:
         begin(ip.store, gen)
     except Exception as exc:  # noqa: BLE001 - the agreement below says what is wrong with the store
         logger.warning(f"pdv in-place recovery: could not announce the recovery ({exc})")
-    members, gen = survivors(ip.store, gen, rank, world, ip.settle_s,
-                             uids=ip.uids if ip.heartbeat is not None else None, warn=logger.warning)
+    uid = ip.uids[rank]
+    _fault("report", uid)
+    uids = ip.uids if ip.heartbeat is not None else None
+    members, gen = survivors(ip.store, gen, rank, world, ip.settle_s, uids=uids, warn=logger.warning)
     t_agree = time.perf_counter()
     if engine.pdv_snapshots is not None:  # nothing of the old world is sealed from here on
         engine.pdv_snapshots.abandon()
-    if 2 * len(members) < world:
-        logger.error(f"pdv in-place recovery: {len(members)} of {world} ranks reported after the error: too few "
-                     "to be the survivors")
-        return False
     old_agents = ip.agents
-    try:
-        report = _rebuild(engine, ip, gen, members, backend)
-    except BaseException:  # noqa: BLE001 - never go on with a half-built engine: the launcher restarts us
-        traceback.print_exc()
-        logger.error("pdv in-place recovery failed; exiting for a restart from the snapshots")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_CODE)
+    for attempt in range(world):
+        if 2 * len(members) < world:
+            logger.error(f"pdv in-place recovery: {len(members)} of {world} ranks reported after the error: too "
+                         "few to be the survivors")
+            return False
+        try:
+            report = _rebuild(engine, ip, gen, members, backend, rank, uid)
+            break
+        except _BeforeCommit as exc:  # a member lost while the new world formed: without it, from the top
+            if attempt + 1 == world or isinstance(exc.__cause__, ConfigError):
+                _leave()
+            logger.warning(f"pdv in-place recovery: generation {gen} of ranks {members} failed while it formed "
+                           f"({(str(exc.__cause__).splitlines() or [''])[0][:200]}); agreeing again without "
+                           "the ranks that went silent")
+            close_peer_connections(ip.peers, ip.keep)  # those of the new world still in it fail now, and join
+            internals.forget_process_groups()
+            members, gen = survivors(ip.store, gen + 1, rank, world, ip.settle_s, uids=uids, warn=logger.warning)
+        except BaseException:  # noqa: BLE001 - never go on with a half-built engine: the launcher restarts us
+            _leave()
     report.update(detect_error=(str(error).splitlines() or [""])[0][:200], agree_s=t_agree - t0,
                   seconds=time.perf_counter() - t0, old_rank=rank, old_world=world, t_start=wall0, closed=closed,
                   t_ready=time.time() - report["resume_s"] - report["commit_s"])
@@ -211,7 +220,54 @@ def _plan(engine: Any, new_world: int) -> Dict[str, Any]:
     return {"boundaries": list(old["boundaries"]), "rank_mapping": row_major_mapping(stages, new_world)}
 
 
-def _rebuild(engine: Any, ip: InPlace, gen: int, members: List[int], backend: str) -> Dict[str, Any]:
+class _BeforeCommit(Exception):
+    """The new world failed before the engine you hold took over its state (a member lost while it formed,
+    built or loaded): the survivors can agree again and start over. The cause is `__cause__`."""
+
+
+def _leave() -> None:
+    traceback.print_exc()
+    logger.error("pdv in-place recovery failed; exiting for a restart from the snapshots")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_CODE)
+
+
+#: `PHASE:UID[,PHASE:UID...]`: the rank whose start-up rank is UID kills itself (SIGKILL) at that phase of an
+#: in-place recovery (the tests of a second failure during one): `report` (before it reports), `form` (agreed
+#: on, before the new world's process group), `build` (group formed, before the engine), `load` (engine
+#: built, before the snapshot is loaded)
+FAULT_ENV = "PDV_INPLACE_FAULT"
+FAULT_PHASES = ("report", "form", "build", "load")
+
+
+def _fault(phase: str, uid: int) -> None:
+    spec = os.environ.get(FAULT_ENV, "")
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, who = item.partition(":")
+        if name not in FAULT_PHASES or not who.strip().isdigit():
+            raise ValueError(f"{FAULT_ENV}={spec!r}: expected PHASE:RANK, PHASE one of {', '.join(FAULT_PHASES)}")
+        if name == phase and int(who) == int(uid):
+            import signal
+
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _rebuild(engine: Any, ip: InPlace, gen: int, members: List[int], backend: str, rank: int,
+             uid: int) -> Dict[str, Any]:
+    """Form generation `gen` of `members`, build its engine and load the snapshot into it, then hand the state
+    to `engine`. A failure before that hand-over is raised as `_BeforeCommit` (nothing of `engine` changed)."""
+    try:
+        built, new, step, plan, times = _form_and_build(engine, ip, gen, members, backend, rank, uid)
+    except BaseException as exc:  # noqa: BLE001
+        raise _BeforeCommit(str(exc)) from exc
+    return _commit(engine, ip, gen, members, built, new, step, plan, times)
+
+
+def _form_and_build(engine: Any, ip: InPlace, gen: int, members: List[int], backend: str, rank: int,
+                    uid: int) -> Tuple[Any, Any, int, Dict[str, Any], Dict[str, float]]:
     from torch.distributed import PrefixStore
 
     times: Dict[str, float] = {}
@@ -222,12 +278,14 @@ def _rebuild(engine: Any, ip: InPlace, gen: int, members: List[int], backend: st
         times[name] = now - mark[0]
         mark[0] = now
 
-    new_rank, new_world = members.index(dist.get_rank()), len(members)
+    new_rank, new_world = members.index(rank), len(members)
+    _fault("form", uid)
     internals.forget_process_groups()
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(new_rank), str(new_world)
     dist.init_process_group(backend, store=PrefixStore(f"g{gen}/pg/", ip.store), rank=new_rank,
                             world_size=new_world, timeout=timedelta(seconds=ip.timeout_s))
     lap("group_s")
+    _fault("build", uid)
     plan = _plan(engine, new_world)
     width_before, width = int(engine.grid.get_data_parallel_world_size()), len(plan["rank_mapping"][0])
     if width != width_before and not internals.gradients_are_micro_batch_means() and new_rank == 0:
@@ -255,10 +313,21 @@ def _rebuild(engine: Any, ip: InPlace, gen: int, members: List[int], backend: st
     lap("engine_s")
     if built.pdv_snapshots is None:
         raise ConfigError(["in-place recovery needs pdv.snapshots"])
-    step = built.pdv_snapshots.resume(built)
-    if step is None:
-        raise RuntimeError("in-place recovery: no snapshot of this job on the survivors' hosts")
+    try:
+        _fault("load", uid)
+        step = built.pdv_snapshots.resume(built)
+        if step is None:
+            raise RuntimeError("in-place recovery: no snapshot of this job on the survivors' hosts")
+    except BaseException:
+        built.pdv_snapshots.abandon()  # (its keeper process) the next attempt builds another
+        raise
     lap("resume_s")
+    return built, new, int(step), plan, times
+
+
+def _commit(engine: Any, ip: InPlace, gen: int, members: List[int], built: Any, new: Any, step: int,
+            plan: Dict[str, Any], times: Dict[str, float]) -> Dict[str, Any]:
+    mark = [time.perf_counter()]
     it = engine.data_iterator
     internals.swap_engine_state(engine, engine.module, built, new)
     glue = getattr(engine, "pdv_policy", None)
@@ -277,5 +346,5 @@ def _rebuild(engine: Any, ip: InPlace, gen: int, members: List[int], backend: st
         if engine.pdv_snapshots is not None:
             engine.pdv_snapshots.interrupt = ip.heartbeat.interrupted
     rt.in_place = ip
-    lap("commit_s")
-    return {"step": int(step), "generation": gen, "world": new_world, "plan": plan, **times}
+    times["commit_s"] = time.perf_counter() - mark[0]
+    return {"step": int(step), "generation": gen, "world": len(members), "plan": plan, **times}

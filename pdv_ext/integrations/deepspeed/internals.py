@@ -336,7 +336,8 @@ def forget_process_groups() -> None:
     globals are reset, so the next engine builds its own."""
     from torch.distributed import distributed_c10d as c10d
 
-    c10d._abort_process_group()
+    if c10d.is_initialized():  # (not after a world that failed to form)
+        c10d._abort_process_group()
     release = getattr(ds_groups, "_release_process_group_references", None)
     if release is not None:
         release(None)
