@@ -141,13 +141,9 @@ def test_bench_faults_on_a_scenario(tmp_path):
     assert q.returncode == 2 and "pipe 4 x data 1 on 4 devices, 2 left" in q.stderr, q.stderr
 
 
-#: the device loss failed in 1 of 2 full CI runs (2026-11-28): rank 0 reported nothing for 30 s and was left out;
-#: suspect: its snapshot thread blocked on a peer whose connection close_peer_connections did not match (#37)
-FLAKY_DEVICE_LOSS = pytest.mark.xfail(strict=False, reason="intermittent: rank 0 left out of the agreement (#37)")
-
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("lost", [pytest.param("device", marks=FLAKY_DEVICE_LOSS), "host"])
+@pytest.mark.parametrize("lost", ["device", "host"])
 def test_bench_faults_in_place(tmp_path, lost):
     """`pdv bench faults --scenario --in-place`: device b1 lost (data parallel over 4: three go on), or host B
     lost (pipe 2 x data 2: host A's two go on as pipe 2 x data 1, host B's stage from the copies it had sent).
