@@ -40,13 +40,20 @@ def set_interrupt(event: Optional[threading.Event]) -> None:
     _interrupt = event
 
 
-def _finish(work: Any, pg: Optional[dist.ProcessGroup]) -> None:
+def interrupted() -> bool:
+    """Whether in-place recovery has said (`set_interrupt`) that a peer is lost or a recovery began: every wait
+    of this process that may wait on a peer gives up then (a collective here, the snapshot in flight)."""
+    ev = _interrupt
+    return ev is not None and ev.is_set()
+
+
+def _finish(work: Any, gloo: bool) -> None:
     """Wait for `work`: whole, or on gloo with an interrupt set, in slices that look at it. Not on NCCL: a
     wait with a timeout there blocks the host until the GPU is done."""
     if work is None:
         return
     ev = _interrupt
-    if ev is None or dist.get_backend(pg) != "gloo":
+    if ev is None or not gloo:
         work.wait()
         return
     while True:
@@ -78,6 +85,7 @@ class TorchComm(Comm):
         self._global = [self._to_global(r) for r in range(self.size)]
         self._p2p_ready = False
         self.host_group = host_group
+        self._gloo: Dict[int, bool] = {}  # by id of the group: whether it is gloo (a collective's wait, `_wait`)
         if host_group is not None:
             twin = [dist.get_global_rank(host_group, r) if host_group is not dist.group.WORLD else r
                     for r in range(dist.get_world_size(host_group))]
@@ -100,6 +108,12 @@ class TorchComm(Comm):
             return self.host_group
         return self.group
 
+    def _wait(self, work: Any, pg: Optional[dist.ProcessGroup]) -> None:
+        gloo = self._gloo.get(id(pg))
+        if gloo is None:
+            gloo = self._gloo[id(pg)] = dist.get_backend(pg) == "gloo"
+        _finish(work, gloo)
+
     def _to_global(self, r: int) -> int:
         if self.group is None or self.group is dist.group.WORLD:
             return r
@@ -114,10 +128,10 @@ class TorchComm(Comm):
             return tensor
         if op == "avg":
             pg = self._pg(tensor)
-            _finish(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=pg, async_op=True), pg)
+            self._wait(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=pg, async_op=True), pg)
             return tensor.div_(self.size)
         pg = self._pg(tensor)
-        _finish(dist.all_reduce(tensor, op=_OPS[op], group=pg, async_op=True), pg)
+        self._wait(dist.all_reduce(tensor, op=_OPS[op], group=pg, async_op=True), pg)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
@@ -125,7 +139,7 @@ class TorchComm(Comm):
             return [tensor.clone()]
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         pg = self._pg(tensor)
-        _finish(dist.all_gather(out, tensor.contiguous(), group=pg, async_op=True), pg)
+        self._wait(dist.all_gather(out, tensor.contiguous(), group=pg, async_op=True), pg)
         return out
 
     def _gather_rows(self, out: torch.Tensor) -> None:
@@ -145,7 +159,7 @@ class TorchComm(Comm):
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.size > 1:
             pg = self._pg(tensor)
-            _finish(dist.broadcast(tensor, src=self._global[src], group=pg, async_op=True), pg)
+            self._wait(dist.broadcast(tensor, src=self._global[src], group=pg, async_op=True), pg)
         return tensor
 
     def exchange(self, sends: Dict[int, Message], recvs: Dict[int, Message],
@@ -175,7 +189,7 @@ class TorchComm(Comm):
                 dst.copy_(src)
         if ops:
             for req in dist.batch_isend_irecv(ops):
-                _finish(req, pg)
+                self._wait(req, pg)
         for dst, buf in staged:
             dst.copy_(buf)
 
@@ -190,19 +204,19 @@ class TorchComm(Comm):
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         pg = self._pg(tensor)
-        _finish(dist.isend(tensor.contiguous(), self._global[dst], group=pg), pg)
+        self._wait(dist.isend(tensor.contiguous(), self._global[dst], group=pg), pg)
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         buf = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
         pg = self._pg(buf)
-        _finish(dist.irecv(buf, self._global[src], group=pg), pg)
+        self._wait(dist.irecv(buf, self._global[src], group=pg), pg)
         if buf is not tensor:
             tensor.copy_(buf)
         return tensor
 
     def barrier(self) -> None:
         if self.size > 1:
-            _finish(dist.barrier(group=self.group, async_op=True), self.group)
+            self._wait(dist.barrier(group=self.group, async_op=True), self.group)
 
 
 def world_comm() -> TorchComm:

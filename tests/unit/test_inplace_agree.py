@@ -293,20 +293,26 @@ def _until(cond, timeout_s=5.0):
 
 def test_a_wait_for_the_snapshot_in_flight_gives_up_when_interrupted():
     """`Snapshots.wait` on a thread that does not end (it waits on a lost peer) returns as an error that
-    in-place recovery takes for a lost peer once the heartbeat's `interrupted` is set; without it, it waits."""
+    in-place recovery takes for a lost peer once the process's interrupt (the heartbeat's `interrupted`, given
+    to `torch_comm.set_interrupt`) is set; without it, it waits."""
+    from pdv_ext.comm.torch_comm import set_interrupt
     from pdv_ext.integrations.deepspeed.inplace import lost_peer
     from pdv_ext.integrations.deepspeed.snapshots import InterruptedWait, Snapshots
 
-    release = threading.Event()
+    release, interrupt = threading.Event(), threading.Event()
     snaps = Snapshots.__new__(Snapshots)  # (the wait alone: no process group)
     snaps._thread = threading.Thread(target=release.wait, daemon=True)
     snaps._thread.start()
-    snaps._error, snaps.interrupt = None, threading.Event()
-    threading.Timer(0.3, snaps.interrupt.set).start()
-    with pytest.raises(InterruptedWait) as err:
-        snaps.wait()
-    assert lost_peer(err.value)
-    snaps.interrupt.clear()
-    threading.Timer(0.3, release.set).start()
-    snaps.wait()  # the thread ends: no error
-    assert snaps._thread is None
+    snaps._error = None
+    set_interrupt(interrupt)
+    try:
+        threading.Timer(0.3, interrupt.set).start()
+        with pytest.raises(InterruptedWait) as err:
+            snaps.wait()
+        assert lost_peer(err.value)
+        interrupt.clear()
+        threading.Timer(0.3, release.set).start()
+        snaps.wait()  # the thread ends: no error
+        assert snaps._thread is None
+    finally:
+        set_interrupt(None)

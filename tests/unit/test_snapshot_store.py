@@ -317,3 +317,24 @@ def test_a_resume_starts_a_generation_and_fetches_over_an_old_timeline(tmp_path,
     assert snaps.generation == 2
     assert sent == [(1, b"new"), (1, b"new")]  # layer_01 and meta for host B: its old copies do not count
     assert loaded == [(a.base, "step00000006")]
+
+
+def test_one_fault_spec_for_snapshots_and_recoveries(monkeypatch):
+    """`recovery/injected.py`: `PHASE[@STEP]:RANK[,...]`, the step where the spec has steps; a bad spec is one
+    ConfigError naming the variable and the item, whatever phase asks."""
+    from pdv_ext.config_base import ConfigError
+    from pdv_ext.recovery import injected
+
+    monkeypatch.setenv("PDV_X_FAULT", "form:2, load:0")
+    assert injected.faults("PDV_X_FAULT", ("form", "load")) == {("form", None, 2), ("load", None, 0)}
+    assert injected.fires("PDV_X_FAULT", ("form", "load"), "form", 2)
+    assert not injected.fires("PDV_X_FAULT", ("form", "load"), "form", 0)
+    monkeypatch.setenv("PDV_X_FAULT", "seal@3:1")
+    assert injected.fires("PDV_X_FAULT", ("seal",), "seal", 1, step=3)
+    assert not injected.fires("PDV_X_FAULT", ("seal",), "seal", 1, step=4)
+    for bad in ("form@3:2", "jump:1", "form:x", "form"):
+        monkeypatch.setenv("PDV_X_FAULT", bad)
+        with pytest.raises(ConfigError, match=r"PDV_X_FAULT=.*PHASE:RANK"):
+            injected.fires("PDV_X_FAULT", ("form", "load"), "load", 0)
+    monkeypatch.delenv("PDV_X_FAULT")
+    assert injected.faults("PDV_X_FAULT", ("form",)) == frozenset()

@@ -36,6 +36,7 @@ from ...comm.torch_comm import InterruptedCollective, set_interrupt
 from ...config_base import ConfigError
 from ...log import logger
 from ...placement.plan import Layout, row_major_mapping
+from ...recovery import injected
 from ...recovery.inplace import (Heartbeat, begin, close_peer_connections, connect, fill_exit_barrier,
                                  parse_address, peer_addresses, survivors)
 from . import internals
@@ -83,6 +84,7 @@ def setup(engine: Any, cfg: Any) -> Optional[InPlace]:
     job. None unless `pdv.snapshots.in_place`."""
     if cfg is None or not cfg.in_place:
         return None
+    injected.faults(FAULT_ENV, FAULT_PHASES)  # a bad fault spec: said now, not half-way through a recovery
     address = cfg.store_address()
     if not address:
         raise ConfigError(["pdv.snapshots.store: in_place needs a store that outlives the training hosts "
@@ -101,21 +103,16 @@ def setup(engine: Any, cfg: Any) -> Optional[InPlace]:
     prefix = f"pdv-inplace/{cfg.job_name()}/{box[0]}/"
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    def on_lost(uids: List[int]) -> None:  # a silent peer: make the collective waiting on it fail now
+    def shut(why: str) -> None:  # a collective or wait of this rank's on the old world fails now
         n = close_peer_connections(peers, keep)
-        logger.warning(f"pdv in-place recovery: no heartbeat from rank(s) {uids} for {cfg.heartbeat_dead_s:g} s: "
-                       f"{n} connection(s) of the old world shut down")
+        logger.warning(f"pdv in-place recovery: {why}: {n} connection(s) of the old world shut down")
 
-    def on_begun(gen: int) -> None:  # another rank began a recovery: join it, whatever this one waits on
-        n = close_peer_connections(peers, keep)
-        logger.warning(f"pdv in-place recovery: another rank began recovering (generation {gen}): {n} "
-                       "connection(s) of the old world shut down")
-
-    beat = Heartbeat(address, prefix, rank, list(range(world)), on_lost, dead_after_s=cfg.heartbeat_dead_s,
-                     on_begun=on_begun)
-    if engine.pdv_snapshots is not None:  # a wait for the snapshot in flight gives up when a recovery begins
-        engine.pdv_snapshots.interrupt = beat.interrupted
-    set_interrupt(beat.interrupted)  # ... and so do the aggregators' collectives (on gloo)
+    beat = Heartbeat(address, prefix, rank, list(range(world)),
+                     lambda uids: shut(f"no heartbeat from rank(s) {uids} for {cfg.heartbeat_dead_s:g} s"),
+                     dead_after_s=cfg.heartbeat_dead_s,
+                     on_begun=lambda gen: shut(f"another rank began recovering (generation {gen})"))
+    # the aggregators' collectives (on gloo) and the wait for the snapshot in flight give up when it is set
+    set_interrupt(beat.interrupted)
     return InPlace(store=PrefixStore(prefix, raw), settle_s=cfg.settle_s, timeout_s=cfg.timeout, raw_store=raw,
                    peers=peers, keep=keep, uids=list(range(world)), heartbeat=beat,
                    agents=[int(a) for a in agents] if all(a is not None for a in agents) else None,
@@ -242,17 +239,12 @@ FAULT_PHASES = ("report", "form", "build", "load")
 
 
 def _fault(phase: str, uid: int) -> None:
-    spec = os.environ.get(FAULT_ENV, "")
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        name, _, who = item.partition(":")
-        if name not in FAULT_PHASES or not who.strip().isdigit():
-            raise ValueError(f"{FAULT_ENV}={spec!r}: expected PHASE:RANK, PHASE one of {', '.join(FAULT_PHASES)}")
-        if name == phase and int(who) == int(uid):
-            import signal
+    if injected.fires(FAULT_ENV, FAULT_PHASES, phase, uid):
+        import signal
 
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _rebuild(engine: Any, ip: InPlace, gen: int, members: List[int], backend: str, rank: int,
@@ -343,8 +335,6 @@ def _commit(engine: Any, ip: InPlace, gen: int, members: List[int], built: Any, 
     ip.uids = [ip.uids[r] for r in members]
     if ip.heartbeat is not None:
         ip.heartbeat.watch(ip.uids, generation=gen)
-        if engine.pdv_snapshots is not None:
-            engine.pdv_snapshots.interrupt = ip.heartbeat.interrupted
     rt.in_place = ip
     times["commit_s"] = time.perf_counter() - mark[0]
     return {"step": int(step), "generation": gen, "world": len(members), "plan": plan, **times}

@@ -20,7 +20,6 @@ from __future__ import annotations
 import io
 import math
 import os
-import re
 import shutil
 import threading
 import time
@@ -30,6 +29,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ...comm.torch_comm import interrupted
+from ...recovery import injected
 from ...recovery.keeper import Keeper
 from ...recovery.store import (HostStore, SnapshotLost, generation_of, missing_files, newest_complete,
                                newest_generation, step_entries, tag_of)
@@ -57,14 +58,8 @@ FAULT_EXIT = 17
 
 
 def _faulty(phase: str, step: int, rank: int) -> bool:
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return False
-    m = re.fullmatch(r"(\w+)@(\d+):(\d+)", spec.strip())
-    if m is None or m.group(1) not in FAULT_PHASES:
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected PHASE@STEP:RANK, PHASE one of {', '.join(FAULT_PHASES)}")
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    return (m.group(1), int(m.group(2)), int(m.group(3)), attempt) == (phase, step, rank, int(phase == "resume"))
+    return injected.fires(FAULT_ENV, FAULT_PHASES, phase, rank, step) and attempt == int(phase == "resume")
 
 
 def _fault(phase: str, step: int, rank: int) -> None:
@@ -185,9 +180,7 @@ class Snapshots:
         # set by `abandon` (in-place recovery): the snapshot in flight, if any, seals nothing after that
         self._abandoned = False
         self._seal_lock = threading.Lock()
-        #: in-place recovery's signal that a peer is lost or a recovery began (the heartbeat's): `wait` gives up
-        #: then, instead of waiting on a thread that may wait on the lost peer (or on a live one's silence)
-        self.interrupt: Optional[threading.Event] = None
+        injected.faults(FAULT_ENV, FAULT_PHASES, with_step=True)  # a bad fault spec: said now, not mid-snapshot
         self.resumed: Dict[str, float] = {}  # the last resume: its step and seconds
         #: what this job's seals carry (recovery/store.py): 0, then one more than the newest seen at each resume
         self.generation = 0
@@ -240,7 +233,9 @@ class Snapshots:
         if self._thread is not None:
             while self._thread.is_alive():
                 self._thread.join(0.1)
-                if self.interrupt is not None and self.interrupt.is_set() and self._thread.is_alive():
+                # in-place recovery said a peer is lost or a recovery began (torch_comm.set_interrupt): give up
+                # instead of waiting on a thread that may wait on the lost peer (or on a live one's silence)
+                if interrupted() and self._thread.is_alive():
                     raise InterruptedWait("pdv.snapshots: a peer was lost (or a recovery began) while this rank "
                                           "waited for the snapshot in flight")
             self._thread = None
