@@ -225,9 +225,7 @@ def _emulate(work: str, name: str, cluster_path: str, events: Optional[str], job
     wall = time.time() - t0
     if p.returncode != 0:
         text = p.stdout + p.stderr
-        kept = os.path.join(tempfile.gettempdir(), f"pdv-bench-faults-{name}-{os.getpid()}.log")
-        with open(kept, "w", encoding="utf-8") as f:  # the whole of it, every rank's lines: the work dir goes
-            f.write(text)
+        kept = _keep_output(name, text)
         raise RuntimeError(f"{name}: pdv emulate exited with {p.returncode} (its whole output: {kept}): "
                            f"{text[-3000:]}{stacks_of(text)}")
     rows = []
@@ -235,7 +233,15 @@ def _emulate(work: str, name: str, cluster_path: str, events: Optional[str], job
         with open(ev_log, encoding="utf-8") as f:
             rows = [json.loads(line) for line in f if line.strip()]
     t_kill = next((r["wall"] for r in rows if r.get("applied") and r.get("after") == {"down": True}), None)
-    return {"logs": _read(out), "t_kill": t_kill, "wall_s": wall}
+    return {"logs": _read(out), "t_kill": t_kill, "wall_s": wall, "text": p.stdout + p.stderr}
+
+
+def _keep_output(name: str, text: str) -> str:
+    """The whole of a run's output (every rank's lines) in a file that outlives the bench's work folder."""
+    kept = os.path.join(tempfile.gettempdir(), f"pdv-bench-faults-{name}-{os.getpid()}.log")
+    with open(kept, "w", encoding="utf-8") as f:
+        f.write(text)
+    return kept
 
 
 def _survivor_summary(run: Dict[str, Any], steps: int, device: str) -> Dict[str, Any]:
@@ -245,11 +251,13 @@ def _survivor_summary(run: Dict[str, Any], steps: int, device: str) -> Dict[str,
 
 def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str], hidden: int,
                  out: Optional[str] = None, every: str = "1", startup_on_host: bool = True,
-                 in_place_timeout: Optional[float] = None) -> Dict[str, Any]:
+                 in_place_timeout: Optional[float] = None, layout: str = "stages") -> Dict[str, Any]:
     """Every way of the scenario in one job. `startup_on_host`: the workers' start-up (imports, rendezvous,
     the model) runs on their host's CPU, as on real hosts, not under a slow device's quota (`pdv emulate
     --startup-on-host`), in every way alike. `in_place_timeout`: the recovered way recovers in place, and
-    every way's process groups time out after that many seconds."""
+    every way's process groups time out after that many seconds. `layout`: faults_job.py's `--layout`, where a
+    stage's replicas run (a snapshot crosses the link between hosts only for a stage all of whose replicas
+    share a host)."""
     sc, cluster_path, cluster, lost, left = _scenario(path)
     steps = steps or sc.run.steps
     lose_at = lost.at_step
@@ -262,8 +270,9 @@ def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str
     res: Dict[str, Any] = {"scenario": os.path.basename(path), "steps": steps, "lose_at": lose_at,
                            "lost": lost.target, "devices_left": len(left), "pipe": sc.run.pipe,
                            "snapshot_every": every, "startup_on_host": startup_on_host,
-                           "in_place": in_place_timeout is not None}
-    base = ["--steps", str(steps), "--pipe", str(sc.run.pipe), "--hidden", str(hidden)] + \
+                           "in_place": in_place_timeout is not None, "layout": layout,
+                           "rank_mapping": layout_names(cluster, sc.run.pipe, layout)}
+    base = ["--steps", str(steps), "--pipe", str(sc.run.pipe), "--hidden", str(hidden), "--layout", layout] + \
         (["--pg-timeout", str(in_place_timeout)] if in_place_timeout is not None else [])
     series: Dict[str, Any] = {}
     try:
@@ -279,6 +288,9 @@ def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str
                                + (["--in-place"] if kind == "recovered" and in_place_timeout is not None else []),
                                timeout, startup_on_host)
                 res[kind] = _survivor_summary(run, steps, watch)
+                if kind == "recovered" and in_place_timeout is not None and not res[kind].get("in_place"):
+                    res[kind]["output"] = _keep_output(kind, run["text"])  # restarted instead: why is in there
+                    log(f"[bench faults] recovered: not in place (restarted); its whole output: {res[kind]['output']}")
                 series[kind] = _series(run["logs"][watch], run["t_kill"])
         if "reference" in only:
             at = _switch_step(res, lose_at)
@@ -299,6 +311,13 @@ def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return res
+
+
+def layout_names(cluster: Any, pipe: int, layout: str) -> List[List[str]]:
+    """faults_job.py's rank mapping of `layout` on the whole cluster, by device name (what the JSON reports)."""
+    from .faults_job import arrange
+
+    return arrange([d.name for d in sorted(cluster.devices, key=lambda d: (d.host, d.name))], pipe, layout)
 
 
 GLOBAL_BATCH = 96  # faults_job.py's samples a step (12 micro-batches of 8)
@@ -372,6 +391,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "after --pg-timeout")
     ap.add_argument("--pg-timeout", type=float, default=60.0,
                     help="--scenario --in-place: seconds a collective waits for a silent peer (default 60)")
+    ap.add_argument("--layout", choices=["stages", "pipelines"], default="stages",
+                    help="--scenario: where a stage's replicas run, by the devices' hosts: stages (default, "
+                         "DeepSpeed's rank order: a stage's replicas side by side on one host, so each snapshot of "
+                         "a stage crosses the link between hosts) or pipelines (each host runs whole pipelines: a "
+                         "lost host leaves a whole copy of the model and no snapshot crosses that link, but the "
+                         "gradient reduction does)")
     ap.add_argument("--startup-on-device", action="store_true",
                     help="--scenario: run the workers' start-up under their device's CPU quota too (before "
                          "2026-11-28; default: on their host's CPU, `pdv emulate --startup-on-host`)")
@@ -391,7 +416,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         try:
             check_available()  # not root, or no netns / tc / cgroups: one line now, not a failure per way later
             res = run_scenario(args.scenario, args.steps, args.timeout, kinds, args.hidden, args.out, args.every,
-                               not args.startup_on_device, args.pg_timeout if args.in_place else None)
+                               not args.startup_on_device, args.pg_timeout if args.in_place else None, args.layout)
         except ConfigError as exc:
             for line in exc.errors:
                 print(f"pdv bench faults: {line}", file=sys.stderr)

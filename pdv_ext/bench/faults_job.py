@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import time
+from typing import Any, List
 
 T_PROCESS = time.time()
 
@@ -30,6 +31,10 @@ def main() -> None:
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--host-tag", default="", help="(marks a host's processes for the bench)")
     ap.add_argument("--pipe", type=int, default=2, help="pipeline stages (the rest of the world: replicas)")
+    ap.add_argument("--layout", choices=LAYOUTS, default="stages",
+                    help="where the replicas run: pipelines (each host runs whole pipelines, a stage's replicas on "
+                         "different hosts) or stages (a stage's replicas side by side on one host, DeepSpeed's "
+                         "rank order); by the devices' hosts, whatever order the ranks came in")
     ap.add_argument("--every", default="1", help="snapshots: steps between them, or auto")
     ap.add_argument("--in-place", action="store_true",
                     help="snapshots: recover in place (pdv.snapshots.in_place): the survivors go on in their "
@@ -62,8 +67,7 @@ def main() -> None:
     model = PipelineModule(layers=mlp_layers(8, args.hidden, 64, 10), num_stages=args.pipe,
                            loss_fn=torch.nn.CrossEntropyLoss(), seed_layers=True, seed_fn=seed_layer, base_seed=3)
     bounds = [round(8 * s / args.pipe) for s in range(args.pipe + 1)]
-    pdv = {"placement": {"boundaries": bounds, "rank_mapping": [list(range(s * dp, (s + 1) * dp))
-                                                                for s in range(args.pipe)]}}
+    pdv = {"placement": {"boundaries": bounds, "rank_mapping": layout_mapping(args.pipe, args.layout)}}
     if args.mode == "snapshots":
         pdv["snapshots"] = {"root": args.root, "job": "bench-faults",
                             "every": args.every if args.every == "auto" else int(args.every),
@@ -124,6 +128,31 @@ def main() -> None:
     engine.discard_snapshots()
     dist.barrier()
     dist.destroy_process_group()
+
+
+#: `--layout`: where a stage's replicas run (see its help)
+LAYOUTS = ("pipelines", "stages")
+
+
+def layout_mapping(pipe: int, layout: str) -> List[List[int]]:
+    """(collective) The rank mapping of `layout` over the ranks' hosts (PDV_HOST) and devices (PDV_DEVICE_NAME):
+    under torchrun's elastic agents ranks come in rendezvous order, so a mapping by rank alone would put a
+    stage's replicas on one host in one run and on two in the next (an in-memory snapshot of a stage all of
+    whose replicas share a host crosses the link between hosts; otherwise it does not)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    at: List[Any] = [None] * world
+    dist.all_gather_object(at, (os.environ.get("PDV_HOST", ""), os.environ.get("PDV_DEVICE_NAME", ""), dist.get_rank()))
+    return arrange([r for *_, r in sorted(at)], pipe, layout)  # by host, then device; by rank without either
+
+
+def arrange(order: List[Any], pipe: int, layout: str) -> List[List[Any]]:
+    """`order` (ranks or device names, host by host) as `pipe` stages of replicas laid out as `layout` says."""
+    dp = len(order) // pipe
+    if layout == "pipelines":
+        return [[order[r * pipe + s] for r in range(dp)] for s in range(pipe)]
+    return [order[s * dp:(s + 1) * dp] for s in range(pipe)]
 
 
 def _attempt(out: str, name: str) -> int:

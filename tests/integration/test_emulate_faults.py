@@ -37,6 +37,14 @@ def failure_text(stderr: str) -> str:
     return stderr[-3000:] + stacks_of(stderr)
 
 
+def _why_not_in_place(rec) -> str:
+    """A recovered run that restarted instead of recovering in place: what its ranks said about it."""
+    with open(rec["output"], encoding="utf-8") as f:
+        text = f.read()
+    said = [ln for ln in text.splitlines() if re.search(r"in-place|recover|Traceback|Error|exit|event", ln)]
+    return "\n".join(said)[-6000:] + "\n--- the end ---\n" + failure_text(text)
+
+
 def _run(tmp_path, events, stages, steps, grad_acc=2):
     (tmp_path / "c.yaml").write_text(CLUSTER)
     (tmp_path / "ev.yaml").write_text(events)
@@ -143,28 +151,38 @@ def test_bench_faults_on_a_scenario(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("lost", ["device", "host"])
+@pytest.mark.parametrize("lost", ["device", "host", "host_of_rank_0"])
 def test_bench_faults_in_place(tmp_path, lost):
-    """`pdv bench faults --scenario --in-place`: device b1 lost (data parallel over 4: three go on), or host B
-    lost (pipe 2 x data 2: host A's two go on as pipe 2 x data 1, host B's stage from the copies it had sent).
+    """`pdv bench faults --scenario --in-place`: device b1 lost (data parallel over 4: three go on); host B
+    lost (pipe 2 x data 2, `--layout pipelines`: host A runs a whole pipeline, and goes on as pipe 2 x data 1 from
+    its own snapshots); or host A, rank 0's, lost (`--layout stages`: each stage's replicas on one host, so host
+    B goes on with host A's whole stage from the copies host A had sent, and one of its ranks is rank 0 now).
     The survivors go on in their processes (their torchrun agents restart nothing), within seconds, and their
     agents leave at the end without waiting out torch's exit barrier for the lost ones (the whole run stays
     far under its 300 s). A lost host's link drops as its processes die: a rank of it may have reported to the
     store first, and the survivors must not wait for it (that hung before `confirm`, docs/recovery.md)."""
     (tmp_path / "c.yaml").write_text(CLUSTER)
-    run, event, left = (("{pipe: 1, data: 4, steps: 10}", "{at_step: 4, device: b1, down: true}", 3) if lost == "device"
-                        else ("{pipe: 2, data: 2, steps: 10}", "{at_step: 4, host: hostB, down: true}", 2))
+    run, event, left, layout = {
+        "device": ("{pipe: 1, data: 4, steps: 10}", "{at_step: 4, device: b1, down: true}", 3, "pipelines"),
+        "host": ("{pipe: 2, data: 2, steps: 10}", "{at_step: 4, host: hostB, down: true}", 2, "pipelines"),
+        "host_of_rank_0": ("{pipe: 2, data: 2, steps: 10}", "{at_step: 4, host: hostA, down: true}", 2, "stages"),
+    }[lost]
     (tmp_path / "s.yaml").write_text(f"cluster: c.yaml\nrun: {run}\nevents:\n  - {event}\n")
     p = subprocess.run([sys.executable, "-m", "pdv_ext.cli", "bench", "faults", "--scenario", str(tmp_path / "s.yaml"),
-                        "--only", "recovered", "--hidden", "32", "--timeout", "200", "--in-place", "--json"],
+                        "--only", "recovered", "--hidden", "32", "--timeout", "200", "--in-place", "--json",
+                        "--layout", layout],
                        capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert p.returncode == 0, failure_text(p.stderr)
     res = json.loads(p.stdout.strip().splitlines()[-1])
     rec = res["recovered"]
-    assert res["in_place"] and rec["in_place"] and res["completed"] and res["steps_lost"] <= 1, res
+    assert rec.get("in_place"), _why_not_in_place(rec) if "output" in rec else res
+    assert res["in_place"] and res["completed"] and res["steps_lost"] <= 1, res
     assert rec["world_after"] == left and set(res["recovery_parts_s"]) == {
         "detection", "agreement", "group_and_engine", "state_load", "first_step"}, res
     assert res["recovery_s"] < 30 and rec["wall_s"] < 200, res
+    assert res["layout"] == layout and res["rank_mapping"] == {
+        "device": [["a0", "a1", "b0", "b1"]], "host": [["a0", "b0"], ["a1", "b1"]],
+        "host_of_rank_0": [["a0", "a1"], ["b0", "b1"]]}[lost], res
 
 
 @pytest.mark.timeout(420)

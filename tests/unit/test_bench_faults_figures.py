@@ -1,8 +1,12 @@
 """`pdv bench faults`' figures from its ways' logs (pdv_ext/bench/faults.py `_summary`, `_combine`): what the
 snapshots cost after the loss and at the start, beside the figures before it."""
+import os
+
 import pytest
 
 from pdv_ext.bench import faults
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _log(start_at, first_step_at, step_s_before, lost_at, resume_at, restart_s, step_s_after, steps=40,
@@ -37,3 +41,20 @@ def test_the_survivors_steps_and_the_start_are_compared():
     assert res["startup_extra_s"] == pytest.approx(2.0)
     assert res["snapshot_overhead_median"] == pytest.approx(0.0, abs=1e-3)  # before the loss: the same steps
     assert res["steps_lost"] == 0 and res["completed"]
+
+
+def test_the_layouts_place_replicas_by_host_not_by_rank():
+    """`--layout`: pipelines puts a stage's replicas on different hosts (a lost host leaves a whole pipeline
+    and no snapshot crosses hosts), stages puts them side by side; both by host and device, so the ranks'
+    rendezvous order changes nothing."""
+    from pdv_ext.bench.faults import layout_names
+    from pdv_ext.bench.faults_job import arrange
+    from pdv_ext.placement.startup import load_cluster
+
+    order = ["a0", "a1", "b0", "b1"]
+    assert arrange(order, 2, "pipelines") == [["a0", "b0"], ["a1", "b1"]]
+    assert arrange(order, 2, "stages") == [["a0", "a1"], ["b0", "b1"]]
+    assert arrange(order, 1, "pipelines") == arrange(order, 1, "stages") == [order]
+    cluster = load_cluster(os.path.join(ROOT, "launch", "clusters", "emulated_4dev.yaml"))
+    assert layout_names(cluster, 2, "pipelines") == [["fast0", "slow0"], ["fast1", "slow1"]]
+    assert layout_names(cluster, 2, "stages") == [["fast0", "fast1"], ["slow0", "slow1"]]
