@@ -108,11 +108,13 @@ def test_a_lost_host_takes_a_stage_and_the_pipeline_goes_on(tmp_path):
         assert logs[r][-1]["held_out"] == pytest.approx(ref[0][-1]["held_out"], rel=AFTER)
 
 
-@pytest.mark.parametrize("phase", ["form", "load"])
+@pytest.mark.parametrize("phase", ["report", "form", "build", "load"])
 def test_a_second_loss_while_the_survivors_recover(tmp_path, phase):
     """Data parallel over 4; rank 3 dies before step 7, and rank 2 dies in the recovery (injected,
-    `PDV_INPLACE_FAULT`): after the four agreed on three (`form`: before the new world's process group) or
-    once the new world's engine is built (`load`: before the snapshot is loaded). The new world fails before
+    `PDV_INPLACE_FAULT`): before it reports to the agreement (`report`: the first agreement leaves it out),
+    after the four agreed on three (`form`: before the new world's process group), once
+    that group formed (`build`: the others build their engine over a group with a dead member), or once the new
+    world's engine is built (`load`: before the snapshot is loaded). The new world fails before
     it took over anything; ranks 0 and 1 agree again without rank 2 and go on as 2 replicas from the newest
     snapshot, within the new world's timeout (here 15 s) and the agreements' seconds."""
     rcs, outs, logs = _job(tmp_path, "second", 4, "--victims", "3", "--die-at", "7", "--steps", "10",
@@ -121,9 +123,10 @@ def test_a_second_loss_while_the_survivors_recover(tmp_path, phase):
     for r in (0, 1):
         rec = logs[r][-1]["recoveries"]
         assert len(rec) == 1 and rec[0]["world"] == 2 and rec[0]["old_world"] == 4, rec
-        assert rec[0]["generation"] >= 2 and rec[0]["step"] in (5, 6), rec  # agreed again: a later generation
+        # agreed again (a later generation), but for `report`, where the first agreement already left it out
+        assert rec[0]["generation"] >= (1 if phase == "report" else 2) and rec[0]["step"] in (5, 6), rec
         assert rec[0]["seconds"] < 60, rec
         steps = _steps(logs[r])
         assert max(steps) == 10 and {steps[s]["world"] for s in range(rec[0]["step"] + 1, 11)} == {2}
         assert all(e["loss"] == e["loss"] for e in steps.values())  # (finite: no NaN)
-    assert "agreeing again without the ranks that went silent" in outs[0], outs[0][-3000:]
+    assert phase == "report" or "agreeing again without the ranks that went silent" in outs[0], outs[0][-3000:]

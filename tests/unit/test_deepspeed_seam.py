@@ -209,3 +209,23 @@ def test_release_shm_workspace_unlinks_this_ranks_name_only(tmp_path):
     assert [os.path.basename(p) for p in removed] == [names[1]]
     assert sorted(os.listdir(tmp_path)) == sorted(n for n in names if n != names[1])
     assert release_shm_workspace(1, port="29500", shm_dir=str(tmp_path)) == []  # gone already: nothing to do
+
+
+def test_new_groups_time_out_after_sets_torch_s_default_for_groups_made_inside_only():
+    """In-place recovery builds the survivors' engine inside `new_groups_time_out_after`: DeepSpeed's
+    `new_group` calls pass no timeout, and torch's default for them (30 minutes) held the survivors when a
+    member died while the engine's groups connected (the `build` phase of test_inplace_recovery.py). torch
+    reads the default at call time; if a torch version stops doing so, this fails."""
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d as c10d
+
+    from pdv_ext.integrations.deepspeed.internals import new_groups_time_out_after
+
+    before = c10d._get_default_timeout(c10d.Backend.GLOO)
+    with new_groups_time_out_after(7.5):
+        assert c10d._get_default_timeout(c10d.Backend.GLOO) == timedelta(seconds=7.5)
+    assert c10d._get_default_timeout(c10d.Backend.GLOO) == before
+    with pytest.raises(RuntimeError), new_groups_time_out_after(3.0):
+        raise RuntimeError("a failed build")
+    assert c10d._get_default_timeout(c10d.Backend.GLOO) == before  # restored on the way out of an error too

@@ -251,8 +251,9 @@ def _rebuild(engine: Any, ip: InPlace, gen: int, members: List[int], backend: st
              uid: int) -> Dict[str, Any]:
     """Form generation `gen` of `members`, build its engine and load the snapshot into it, then hand the state
     to `engine`. A failure before that hand-over is raised as `_BeforeCommit` (nothing of `engine` changed)."""
-    try:
-        built, new, step, plan, times = _form_and_build(engine, ip, gen, members, backend, rank, uid)
+    try:  # the engine's groups wait for a silent member as long as the new world does, not torch's 30 minutes
+        with internals.new_groups_time_out_after(ip.timeout_s):
+            built, new, step, plan, times = _form_and_build(engine, ip, gen, members, backend, rank, uid)
     except BaseException as exc:  # noqa: BLE001
         raise _BeforeCommit(str(exc)) from exc
     return _commit(engine, ip, gen, members, built, new, step, plan, times)

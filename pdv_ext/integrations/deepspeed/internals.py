@@ -327,6 +327,30 @@ _DS_GROUP_DICTS = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_E
                    "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP")
 
 
+@contextlib.contextmanager
+def new_groups_time_out_after(seconds: float) -> Iterator[None]:
+    """Inside: every process group made without a timeout of its own (DeepSpeed's `new_group` calls pass
+    none, so torch gives each its default, 30 minutes) waits `seconds` for a silent member, as the world it
+    is made from does. In-place recovery builds the survivors' engine so: a member lost while the engine's
+    groups connect (gloo's connect waits in the store for its address) fails the build within `seconds`,
+    instead of holding the survivors for half an hour. Reads torch's module defaults at call time
+    (`_get_default_timeout`; tested on torch 2.13)."""
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d as c10d
+
+    names = [n for n in ("default_pg_timeout", "default_pg_nccl_timeout")
+             if isinstance(getattr(c10d, n, None), timedelta)]
+    saved = {n: getattr(c10d, n) for n in names}
+    for n in names:
+        setattr(c10d, n, timedelta(seconds=seconds))
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            setattr(c10d, n, v)
+
+
 def forget_process_groups() -> None:
     """Drop the world and every group made from it, in torch and in DeepSpeed's module caches, without
     waiting on them (a peer is gone: a collective on them would fail or hang). torch's
