@@ -351,6 +351,19 @@ def new_groups_time_out_after(seconds: float) -> Iterator[None]:
             setattr(c10d, n, v)
 
 
+def keep_forever(groups: Sequence[Any]) -> None:
+    """Never destroy `groups` (process groups of a world left behind): a gloo group's destructor waits for the
+    work still queued on it, and a collective this rank gave up on (`torch_comm`'s interrupt) may wait on a
+    peer that is alive in the new world and will never take part: the destructor, run wherever the last
+    reference drops (seen: the first step after a recovery), would then hold this rank until the old group's
+    timeout (30 minutes for DeepSpeed's groups) while the new world waits for it. A reference that is never
+    released (not even at interpreter exit) costs a few objects per recovery."""
+    import ctypes
+
+    for g in groups:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(g))
+
+
 def forget_process_groups() -> None:
     """Drop the world and every group made from it, in torch and in DeepSpeed's module caches, without
     waiting on them (a peer is gone: a collective on them would fail or hang). torch's
@@ -361,6 +374,7 @@ def forget_process_groups() -> None:
     from torch.distributed import distributed_c10d as c10d
 
     if c10d.is_initialized():  # (not after a world that failed to form)
+        keep_forever(list(c10d._world.pg_map))  # before the maps are cleared: every group of the old world
         c10d._abort_process_group()
     release = getattr(ds_groups, "_release_process_group_references", None)
     if release is not None:
