@@ -41,19 +41,24 @@ RANK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.timeout(120)
-def test_a_collective_on_gloo_gives_up_when_the_interrupt_is_set():
+def _two_ranks(script: str, timeout: float) -> str:
+    """Run `script` as ranks 0 and 1; both must succeed. Rank 0's last line of output."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": ROOT}
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(port)], env=env, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(port)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     try:
-        outs = [p.communicate(timeout=90) for p in procs]
+        outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
-    line = outs[0][0].strip().splitlines()[-1]
+    return outs[0][0].strip().splitlines()[-1]
+
+
+@pytest.mark.timeout(120)
+def test_a_collective_on_gloo_gives_up_when_the_interrupt_is_set():
+    line = _two_ranks(RANK, 90)
     took = float(line.split()[3])
     assert 0.4 < took < 5.0 and line.endswith("lost_peer=True"), line
 
@@ -95,15 +100,5 @@ def test_a_world_left_behind_with_a_collective_given_up_is_dropped_at_once():
     once: a gloo group's destructor waits for its queued work, which here waits on a live peer that never
     takes part (before `internals.keep_forever`: 40 s, until that peer left; in a recovery, until the group's
     30-minute timeout, while the new world waited for this rank: the stall after a recovery, docs/recovery.md)."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    procs = [subprocess.Popen([sys.executable, "-c", LEFT_BEHIND, str(r), str(port)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=100) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
-    line = outs[0][0].strip().splitlines()[-1]
+    line = _two_ranks(LEFT_BEHIND, 100)
     assert line.startswith("left behind in") and float(line.split()[3]) < 5.0, line
