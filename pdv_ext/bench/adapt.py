@@ -40,7 +40,7 @@ from pydantic import Field, ValidationError
 
 from ..config_base import ConfigError, StrictModel, format_errors
 from ..emulate.hoststat import StealSampler, steal_fraction
-from .common import emit, log, parser
+from .common import emit, log, parser, ready_jit_ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARTIFACTS = os.path.join(ROOT, "build", "bench-adapt")
@@ -598,6 +598,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if not a.reuse_runs:
             check_available()
+            ready_jit_ops()  # not inside the first run's start-up
     except EmulationUnavailable as exc:
         print(f"pdv bench adapt: {exc}", file=sys.stderr)
         return 2

@@ -56,3 +56,20 @@ def median(xs: Sequence[float]) -> float:
 def log(msg: str) -> None:
     """Progress for humans goes to stderr so stdout ends with the JSON line."""
     print(msg, file=sys.stderr, flush=True)
+
+
+def ready_jit_ops() -> None:
+    """Build the JIT ops the ranks load (our CPU kernels, DeepSpeed's CPU shared-memory op) before a bench times
+    its first run, in a process with the ranks' environment (`spawn.default_env`: the same cache). Where `make
+    setup` did not build them (a fresh clone run by PYTHONPATH, an installed wheel's first bench), the first run
+    of a comparison paid the build alone: `pdv bench faults` read 46 s more start-up for whichever way ran first
+    (a 40 s build under a slow device's CPU share). A build that fails is left to the ranks, as before."""
+    import os
+    import subprocess
+
+    from ..spawn import default_env
+
+    code = "from pdv_ext import kernels; kernels.prebuild_jit_ops()"
+    log("[bench] the JIT-built ops: built once before the runs are timed (cached after the first time)")
+    subprocess.run([sys.executable, "-c", code], env={**os.environ, **default_env()}, check=False,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800)

@@ -42,7 +42,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ..spawn import default_env, free_port, kill_matching, remove_deepspeed_shm
-from .common import check_ranges, emit, log, parser
+from .common import check_ranges, emit, log, parser, ready_jit_ops
 
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
 WARMUP = 4  # the first steps of a run, apart in the step-time figures (start-up, the first snapshots' set-up)
@@ -415,6 +415,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         kinds = [k.strip() for k in args.only.split(",") if k.strip()]
         try:
             check_available()  # not root, or no netns / tc / cgroups: one line now, not a failure per way later
+            ready_jit_ops()  # not inside the first way's start-up
             res = run_scenario(args.scenario, args.steps, args.timeout, kinds, args.hidden, args.out, args.every,
                                not args.startup_on_device, args.pg_timeout if args.in_place else None, args.layout)
         except ConfigError as exc:
@@ -439,6 +440,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     bad = [k for k in kinds if k not in ("reference", "recovered", "disk_restart")]
     if bad:
         ap.error(f"--only: unknown {', '.join(bad)} (reference, recovered, disk_restart)")
+    ready_jit_ops()  # not inside the first way's start-up
     work = tempfile.mkdtemp(prefix="pdv-bench-faults-")
     res: Dict[str, Any] = {"steps": args.steps, "lose_at": lose_at, "ckpt_every": args.ckpt_every,
                            "snapshot_every": args.every}
