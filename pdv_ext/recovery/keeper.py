@@ -14,17 +14,32 @@ Protocol (the keeper's stdin / stdout, one pickle each way per request):
   {"op": "write", "buffer": path, "size": n, "tensors": [(offset, dtype, shape)], "files": {name: object
    with TensorRef(i) in place of tensors}, "root", "job", "host", "step", "write": bool, "only_first": bool}
   -> {"sealed": {name: {"sha256", "bytes"}}, "serialize_s", "write_s"} or {"error": text}
+  {"op": "listen", "root", "job", "host", "token", "timeout"} -> {"port": p}: take copies from other hosts'
+   keepers from now on (a thread; each copy is written into this host's store as it comes)
+  {"op": "push", "root", "job", "host", "step", "names", "to": [address, port], "token", "sender",
+   "timeout"} -> {"bytes": n}: send those files of this host's store to that keeper, which answers once it
+   has written them
+  {"op": "collect", "step", "senders": [rank], "timeout"} -> {"sealed": {name: entry}}: wait for the copies
+   of `step` from those ranks (given up when the worker closes the pipe)
+
+Why the keepers copy to the other host, not the worker: the copy is the largest part of a snapshot (the link
+between hosts), and the worker's process is the device's (its socket threads and the bytes' hashing ran
+under the device's CPU quota on the emulator, beside the step).
 """
 from __future__ import annotations
 
 import ctypes
 import io
+import json
 import os
 import pickle
+import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
@@ -67,6 +82,17 @@ def rebuild(obj: Any, tensors: List[Any]) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(rebuild(v, tensors) for v in obj)
     return obj
+
+
+def local_address() -> str:
+    """The address the other ranks reach this one at: where its route to the job's master (MASTER_ADDR) leaves
+    from (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((os.environ.get("MASTER_ADDR") or "127.0.0.1", 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
 
 
 class Keeper:
@@ -135,17 +161,23 @@ class Keeper:
         releases the GIL)."""
         req = {"op": "write", "buffer": self.path, "size": self.size, "tensors": layout, "files": files, **job}
         try:
+            return self.request(req)
+        finally:
+            if not self._mapped and self.path and self.proc.poll() is None:
+                os.unlink(self.path)  # both processes hold it mapped: nothing is left in /dev/shm if either dies
+                self._mapped = True
+
+    def request(self, req: Dict[str, Any]) -> Dict[str, Any]:
+        """One request to the keeper and its answer (blocks; waiting on a pipe releases the GIL)."""
+        try:
             pickle.dump(req, self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
             self.proc.stdin.flush()
             reply = pickle.load(self.proc.stdout)
         except (BrokenPipeError, EOFError, OSError) as exc:
             raise RuntimeError(f"pdv.snapshots: the snapshot keeper (pid {self.proc.pid}) is gone "
                                f"(exit {self.proc.poll()})") from exc
-        if not self._mapped and self.path:
-            os.unlink(self.path)  # both processes hold it mapped: nothing is left in /dev/shm if either dies
-            self._mapped = True
         if "error" in reply:
-            raise RuntimeError(f"pdv.snapshots: the snapshot keeper failed: {reply['error']}")
+            raise RuntimeError(f"pdv.snapshots: the snapshot keeper failed ({req['op']}): {reply['error']}")
         return reply
 
     def close_buffer(self) -> None:
@@ -164,14 +196,19 @@ class Keeper:
                 pass
         self.path, self.buffer, self.size, self._mapped = None, None, 0, False
 
-    def close(self) -> None:
+    def close(self, grace: float = 10.0) -> None:
+        """End the keeper: it finishes the request in hand within `grace` seconds, else it is killed (0: at
+        once, for a snapshot abandoned because a peer is lost: its copy may wait on that peer)."""
         self.close_buffer()
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.close()
-                self.proc.wait(timeout=10)
+                if grace <= 0:
+                    raise TimeoutError
+                self.proc.wait(timeout=grace)
             except Exception:  # noqa: BLE001 - a keeper that will not leave is killed
                 self.proc.kill()
+                self.proc.wait()
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -195,48 +232,157 @@ def _join_cgroup() -> None:
             print(f"pdv snapshot keeper: could not join {procs}: {exc}", file=sys.stderr)
 
 
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if not k:
+            raise ConnectionError(f"the sender left after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+class Copies:
+    """The copies other hosts' keepers send to this one (`listen`): each connection's files are written into
+    this host's store as they come, and recorded by step and sender only once all of them are written whole
+    (a sender lost mid-copy leaves nothing recorded, so nothing of it is ever sealed)."""
+
+    def __init__(self, store: Any, token: str, timeout: float):
+        self.store, self.token, self.timeout = store, token, timeout
+        self.arrived: Dict[int, Dict[int, Dict[str, Any]]] = {}
+        self.cond = threading.Condition()
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("0.0.0.0", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True, name="pdv-keeper-accept").start()
+
+    def _accept(self) -> None:
+        while True:
+            conn, _ = self.sock.accept()
+            threading.Thread(target=self._take, args=(conn,), daemon=True, name="pdv-keeper-copy").start()
+
+    def _take(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                conn.settimeout(self.timeout)
+                head = json.loads(_recv_exact(conn, int.from_bytes(_recv_exact(conn, 8), "little")).decode())
+                if head.get("token") != self.token:
+                    return  # not this job's keeper: nothing read, nothing written
+                step, entries = int(head["step"]), {}
+                for name, size in head["files"]:
+                    entries[name] = self.store.write(step, name, _recv_exact(conn, int(size)))
+                with self.cond:
+                    self.arrived.setdefault(step, {})[int(head["sender"])] = entries
+                    for old in [s for s in self.arrived if s < step - 8]:  # long collected or given up on
+                        del self.arrived[old]
+                    self.cond.notify_all()
+                conn.sendall(b"k")
+        except Exception as exc:  # noqa: BLE001 - a copy that did not come whole is simply not recorded
+            print(f"pdv snapshot keeper: a copy from another host failed: {exc}", file=sys.stderr)
+
+    def collect(self, step: int, senders: List[int], timeout: float, inp: Any) -> Dict[str, Any]:
+        """The files of `step` from every rank of `senders`, once all have come; an error after `timeout`
+        seconds, or when the worker closes the pipe (it gave the snapshot up)."""
+        deadline = time.monotonic() + timeout
+        want = {int(r) for r in senders}
+        while True:
+            with self.cond:
+                have = self.arrived.get(step, {})
+                if want <= set(have):
+                    return {name: e for r in sorted(want) for name, e in have[r].items()}
+                self.cond.wait(0.1)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the copies of step {step} from rank(s) {sorted(want - set(have))} did not "
+                                   f"come within {timeout:g} s")
+            if select.select([inp], [], [], 0)[0]:  # only the end of the pipe comes while a request is in hand
+                raise EOFError("the worker closed the pipe")
+
+
+def push(store: Any, step: int, names: List[str], to: Tuple[str, int], token: str, sender: int,
+         timeout: float) -> int:
+    """Send the files `names` of `step` from this host's store to the keeper at `to`; returns the bytes sent
+    once it has written them."""
+    blobs = [store.read_raw(step, name) for name in names]
+    head = json.dumps({"token": token, "step": int(step), "sender": int(sender),
+                       "files": [[n, len(b)] for n, b in zip(names, blobs)]}).encode()
+    with socket.create_connection((to[0], int(to[1])), timeout=timeout) as sock:
+        sock.sendall(len(head).to_bytes(8, "little") + head)
+        for b in blobs:
+            sock.sendall(b)
+        if _recv_exact(sock, 1) != b"k":
+            raise ConnectionError(f"the keeper at {to[0]}:{to[1]} did not confirm the copy of step {step}")
+    return sum(len(b) for b in blobs)
+
+
 def _serve(inp: Any, out: Any) -> None:
     import torch
 
     from .store import HostStore
 
     maps: Dict[Tuple[str, int], Any] = {}
+    copies: Optional[Copies] = None
     while True:
         try:
             req = pickle.load(inp)
         except EOFError:
             return
         try:
-            key = (req["buffer"], req["size"])
-            if key not in maps:
-                maps.clear()
-                maps[key] = torch.from_file(req["buffer"], shared=True, size=req["size"], dtype=torch.uint8)
-            buf = maps[key]
-            t0 = time.perf_counter()
-            tensors = []
-            for off, dtype, shape in req["tensors"]:
-                dt = getattr(torch, dtype)
-                n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
-                tensors.append(buf[off:off + n].view(dt).view(shape).clone() if n else torch.empty(shape, dtype=dt))
-            blobs = {}
-            for name, obj in req["files"].items():
-                obj = rebuild(obj, tensors)  # (checked plain by the worker before it was staged)
-                b = io.BytesIO()
-                torch.save(obj, b)
-                blobs[name] = b.getvalue()
-            t1 = time.perf_counter()
-            sealed = {}
-            if req["write"]:
-                store = HostStore(req["root"], req["job"], req["host"])
-                for name in sorted(blobs):
-                    sealed[name] = store.write(req["step"], name, blobs[name])
-                    if req.get("only_first"):
-                        break
-            reply = {"sealed": sealed, "serialize_s": t1 - t0, "write_s": time.perf_counter() - t1}
+            op = req.get("op", "write")
+            if op == "listen":
+                if copies is None:
+                    copies = Copies(HostStore(req["root"], req["job"], req["host"]), req["token"],
+                                    float(req["timeout"]))
+                reply = {"port": copies.port}
+            elif op == "push":
+                t0 = time.perf_counter()
+                n = push(HostStore(req["root"], req["job"], req["host"]), int(req["step"]), list(req["names"]),
+                         tuple(req["to"]), req["token"], int(req["sender"]), float(req["timeout"]))
+                reply = {"bytes": n, "push_s": time.perf_counter() - t0}
+            elif op == "collect":
+                if copies is None:
+                    raise RuntimeError("collect before listen")
+                reply = {"sealed": copies.collect(int(req["step"]), list(req["senders"]), float(req["timeout"]),
+                                                  inp)}
+            else:
+                reply = _write(req, maps, torch, HostStore)
+        except EOFError:
+            return
         except Exception:  # noqa: BLE001 - every failure goes back to the worker, which raises it
             reply = {"error": traceback.format_exc(limit=4)}
         pickle.dump(reply, out, protocol=pickle.HIGHEST_PROTOCOL)
         out.flush()
+
+
+def _write(req: Dict[str, Any], maps: Dict[Tuple[str, int], Any], torch: Any, HostStore: Any) -> Dict[str, Any]:
+    """The `write` request: the staged tensors rebuilt into their objects, serialized, written."""
+    key = (req["buffer"], req["size"])
+    if key not in maps:
+        maps.clear()
+        maps[key] = torch.from_file(req["buffer"], shared=True, size=req["size"], dtype=torch.uint8)
+    buf = maps[key]
+    t0 = time.perf_counter()
+    tensors = []
+    for off, dtype, shape in req["tensors"]:
+        dt = getattr(torch, dtype)
+        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
+        tensors.append(buf[off:off + n].view(dt).view(shape).clone() if n else torch.empty(shape, dtype=dt))
+    blobs = {}
+    for name, obj in req["files"].items():
+        obj = rebuild(obj, tensors)  # (checked plain by the worker before it was staged)
+        b = io.BytesIO()
+        torch.save(obj, b)
+        blobs[name] = b.getvalue()
+    t1 = time.perf_counter()
+    sealed = {}
+    if req["write"]:
+        store = HostStore(req["root"], req["job"], req["host"])
+        for name in sorted(blobs):
+            sealed[name] = store.write(req["step"], name, blobs[name])
+            if req.get("only_first"):
+                break
+    return {"sealed": sealed, "serialize_s": t1 - t0, "write_s": time.perf_counter() - t1}
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import socket
+import threading
 from typing import Dict, Iterable, List, Optional, Set
 
 from ..config_base import ConfigError
@@ -76,7 +77,7 @@ class HostStore:
         folder = self.folder(step)
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, name)
-        tmp = f"{path}.tmp{os.getpid()}"
+        tmp = f"{path}.tmp{os.getpid()}-{threading.get_ident()}"  # (a keeper writes from two threads)
         with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, path)

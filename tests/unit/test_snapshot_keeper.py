@@ -84,3 +84,66 @@ def test_keeper_dies_with_its_worker(tmp_path):
         pytest.fail(f"keeper {pid} outlived its worker")
     if os.path.isdir("/dev/shm"):  # its shared buffer went with the two processes
         assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"pdv-keeper-{worker}-")]
+
+
+def _written(k, root, host, step, files):
+    """`files` ({name: tensor}) written by keeper `k` into `host`'s store at `step`; their seal entries."""
+    return k.write(*k.stage({n: {"t": t} for n, t in files.items()}), root=root, job="j", host=host, step=step,
+                   write=True, only_first=False)["sealed"]
+
+
+def test_a_copy_goes_keeper_to_keeper_and_is_collected_whole(tmp_path):
+    """The copy for another host: the sender's keeper reads its files from its host's store and sends them;
+    the receiver's keeper writes them into its own and hands their seal entries to its worker."""
+    root = str(tmp_path)
+    a, b = Keeper(), Keeper()
+    try:
+        sent = _written(a, root, "hostA", 3, {"layer_00.pt": torch.randn(1000), "layer_01.pt": torch.randn(10)})
+        port = b.request({"op": "listen", "root": root, "job": "j", "host": "hostB", "token": "t0k",
+                          "timeout": 30.0})["port"]
+        pushed = a.request({"op": "push", "root": root, "job": "j", "host": "hostA", "step": 3,
+                            "names": sorted(sent), "to": ["127.0.0.1", port], "token": "t0k", "sender": 0,
+                            "timeout": 30.0})
+        got = b.request({"op": "collect", "step": 3, "senders": [0], "timeout": 30.0})["sealed"]
+    finally:
+        a.close()
+        b.close()
+    assert got == sent and pushed["bytes"] == sum(e["bytes"] for e in sent.values())
+    there = HostStore(root, "j", "hostB")
+    for name, e in sent.items():
+        assert there.read(3, name, e["sha256"]) == HostStore(root, "j", "hostA").read_raw(3, name)
+
+
+def test_a_copy_without_the_token_is_not_taken_and_a_missing_one_is_an_error(tmp_path):
+    root = str(tmp_path)
+    a, b = Keeper(), Keeper()
+    try:
+        sent = _written(a, root, "hostA", 1, {"layer_00.pt": torch.randn(5)})
+        port = b.request({"op": "listen", "root": root, "job": "j", "host": "hostB", "token": "right",
+                          "timeout": 30.0})["port"]
+        with pytest.raises(RuntimeError, match="keeper failed \\(push\\)"):  # the receiver hangs up on it
+            a.request({"op": "push", "root": root, "job": "j", "host": "hostA", "step": 1, "names": sorted(sent),
+                       "to": ["127.0.0.1", port], "token": "wrong", "sender": 0, "timeout": 30.0})
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="from rank\\(s\\) \\[0\\] did not come within 1 s"):
+            b.request({"op": "collect", "step": 1, "senders": [0], "timeout": 1.0})
+        assert time.monotonic() - t0 < 10
+    finally:
+        a.close()
+        b.close()
+    assert not os.path.exists(os.path.join(HostStore(root, "j", "hostB").folder(1), "layer_00.pt"))
+
+
+def test_a_keeper_waiting_for_a_copy_leaves_when_its_worker_gives_up(tmp_path):
+    """A snapshot abandoned (a peer lost) closes its keeper, which may be waiting for that peer's copy: it
+    leaves at once, not at the end of the wait."""
+    b = Keeper()
+    b.request({"op": "listen", "root": str(tmp_path), "job": "j", "host": "hostB", "token": "t", "timeout": 30.0})
+    import pickle
+
+    pickle.dump({"op": "collect", "step": 2, "senders": [0], "timeout": 300.0}, b.proc.stdin)
+    b.proc.stdin.flush()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    b.proc.stdin.close()  # the worker gave the snapshot up: end of the pipe
+    assert b.proc.wait(timeout=20) == 0 and time.monotonic() - t0 < 5

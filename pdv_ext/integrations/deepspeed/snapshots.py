@@ -21,6 +21,7 @@ import io
 import json
 import math
 import os
+import secrets
 import shutil
 import threading
 import time
@@ -32,7 +33,7 @@ import torch.distributed as dist
 
 from ...comm.torch_comm import interrupted
 from ...recovery import injected
-from ...recovery.keeper import Keeper
+from ...recovery.keeper import Keeper, local_address
 from ...recovery.store import (HostStore, SnapshotLost, generation_of, missing_files, newest_complete,
                                newest_generation, step_entries, tag_of)
 from .checkpoint import load_layer_checkpoint, meta_of, stage_layer_entries
@@ -175,6 +176,9 @@ class _Plan:
         self.meta_src, self.meta_writers, self.gathers = meta_src, set(meta_writers), gathers
         self.participants = participants_of(writers, buddies, meta_src)
         self.group = groups(self.participants)
+        #: (background) {receiving rank: (address, port, token)} of its keeper, which takes the copies for
+        #: another host straight from the senders' keepers (Snapshots._keeper_addresses); None: the ranks copy
+        self.keepers: Optional[Dict[int, Tuple[str, int, str]]] = None
 
     @classmethod
     def make(cls, key: Any, mapping: List[List[int]], hosts: List[str], by_layer: Dict[int, Any],
@@ -221,6 +225,7 @@ class Snapshots:
         #: what this job's seals carry (recovery/store.py): 0, then one more than the newest seen at each resume
         self.generation = 0
         self._plan: Optional[_Plan] = None  # who does what under the current plan (made at its first snapshot)
+        self._token = secrets.token_hex(16)  # what a sender's keeper shows this rank's keeper with each copy
         # the process that writes this rank's files (background mode): started now, so that its imports overlap
         # the engine's start-up instead of holding up the first snapshot; closed on a rank that does not write
         self._keeper: Optional[Keeper] = Keeper() if cfg.background else None
@@ -246,6 +251,23 @@ class Snapshots:
                                                      timeout=timedelta(seconds=self.cfg.timeout))
                                       if self.cfg.background else dist.new_group(participants))
         return self._part_groups[key]
+
+    def _keeper_addresses(self, plan: "_Plan", rank: int) -> Optional[Dict[int, Tuple[str, int, str]]]:
+        """(collective, background mode) Each rank that receives a copy for another host has its keeper
+        listen for it; every rank learns where (one all-gather). None inside the step (`background: false`)."""
+        if self._group is None:
+            return None
+        mine = None
+        if any(dst == rank for _, dst in plan.buddies.values()):
+            if self._keeper is None:
+                self._keeper = Keeper()
+            port = self._keeper.request({"op": "listen", "root": self.store.root, "job": self.store.job,
+                                         "host": self.store.host, "token": self._token,
+                                         "timeout": float(self.cfg.timeout)})["port"]
+            mine = (local_address(), int(port), self._token)
+        every: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return {r: tuple(a) for r, a in enumerate(every) if a is not None}
 
     def due(self, engine: Any) -> bool:
         if self.cfg.every == "auto":
@@ -325,6 +347,7 @@ class Snapshots:
             by_layer, pdv, whole = stage_layer_entries(eng)
             plan = self._plan = _Plan.make(key, mapping, self.hosts, by_layer, collect_is_collective(eng),
                                            self._groups_for)
+            plan.keepers = self._keeper_addresses(plan, rank)
         elif rank in plan.participants or plan.gathers:  # (the gather: collective over the stage's replicas)
             by_layer, pdv, whole = stage_layer_entries(eng)
         auto = self.cfg.every == "auto" and self._group is not None
@@ -392,8 +415,7 @@ class Snapshots:
             if sealed:
                 _fault("write", step, rank)  # one file written (the keeper stopped there), the others not
             t_serialize = t_collect + reply["serialize_s"]
-            files = {name: store.read_raw(step, name) for name in sealed} \
-                if any(src == rank for src, _ in buddies.values()) else {}  # (the receiver hashes what came)
+            files = {}  # (the keepers copy them to the other host, below)
         else:
             files = {f"layer_{i:02d}.pt": _bytes(e, f"layer {i}") for i, e in sorted(entries.items())}
             t_serialize = time.perf_counter()
@@ -406,9 +428,19 @@ class Snapshots:
         t_write = time.perf_counter()
         _fault("send", step, rank)
         outgoing = {dst: pack_files({n: files[n] for n in sorted(files)}) for src, dst in buddies.values()
-                    if src == rank}
+                    if src == rank and plan.keepers is None}
         incoming = [src for src, dst in buddies.values() if dst == rank]
-        if outgoing or incoming:
+        if plan.keepers is not None:  # keeper to keeper, on the host's CPU: this thread only waits
+            own = sorted(n for n in sealed if n != "meta.pt")
+            for dst in sorted(dst for src, dst in buddies.values() if src == rank):
+                address, port, token = plan.keepers[dst]
+                self._keeper.request({"op": "push", "root": store.root, "job": store.job, "host": store.host,
+                                      "step": step, "names": own, "to": [address, port], "token": token,
+                                      "sender": rank, "timeout": float(self.cfg.timeout)})
+            if incoming:
+                sealed.update(self._keeper.request({"op": "collect", "step": step, "senders": incoming,
+                                                    "timeout": float(self.cfg.timeout)})["sealed"])
+        elif outgoing or incoming:
             for src, blob in sorted(exchange(outgoing, incoming, group).items()):
                 for name, data in unpack_files(blob).items():
                     sealed[name] = store.write(step, name, data)
@@ -455,7 +487,7 @@ class Snapshots:
         with self._seal_lock:
             self._abandoned = True
         if self._keeper is not None:
-            self._keeper.close()
+            self._keeper.close(grace=0)  # its copy may wait on the lost peer
             self._keeper = None
         self._thread = None
 
