@@ -226,9 +226,10 @@ class Snapshots:
         self.generation = 0
         self._plan: Optional[_Plan] = None  # who does what under the current plan (made at its first snapshot)
         self._token = secrets.token_hex(16)  # what a sender's keeper shows this rank's keeper with each copy
-        # the process that writes this rank's files (background mode): started now, so that its imports overlap
-        # the engine's start-up instead of holding up the first snapshot; closed on a rank that does not write
-        self._keeper: Optional[Keeper] = Keeper() if cfg.background else None
+        # the process that writes this rank's files (background mode): started below, on a rank the engine's
+        # plan has work for, so that its imports overlap the engine's start-up instead of holding up the first
+        # snapshot; started later if a plan needs it, closed on a rank that no longer takes part
+        self._keeper: Optional[Keeper] = None
         # every: auto: the next snapshot's step, and the interval every rank agreed on at the end of the last one
         self.next_due, self.interval = 1, 1
         self._last_take: Optional[Tuple[int, float]] = None
@@ -236,10 +237,14 @@ class Snapshots:
         # the participants' process groups, by participants: made now for the engine's plan (collective, at
         # start-up, not at the first snapshot of a running job), later for a plan a move brings
         self._part_groups: Dict[Tuple[int, ...], Any] = {}
+        participants = None
         if engine is not None:
             mapping = current_mapping(engine.module)
             writers, buddies = plan_writers(mapping, self.hosts)
-            self._groups_for(participants_of(writers, buddies, mapping[0][0]))
+            participants = participants_of(writers, buddies, mapping[0][0])
+            self._groups_for(participants)
+        if cfg.background and (participants is None or dist.get_rank() in participants):
+            self._keeper = Keeper()  # only where the plan has work for it: a keeper's start costs a second of CPU
 
     def _groups_for(self, participants: List[int]) -> Any:
         """The process group of `participants` for this mode: gloo with the snapshot timeout for the
