@@ -317,9 +317,11 @@ def push(store: Any, step: int, names: List[str], to: Tuple[str, int], token: st
 
 
 def _serve(inp: Any, out: Any) -> None:
-    import torch
-
     from .store import HostStore
+
+    # torch (a second or more of CPU) is imported beside the requests, not before them: `listen` is asked on
+    # the step's path at the first snapshot and needs no torch; a `write` waits for the import if it must
+    threading.Thread(target=lambda: __import__("torch"), daemon=True, name="pdv-keeper-import").start()
 
     maps: Dict[Tuple[str, int], Any] = {}
     copies: Optional[Copies] = None
@@ -346,6 +348,8 @@ def _serve(inp: Any, out: Any) -> None:
                 reply = {"sealed": copies.collect(int(req["step"]), list(req["senders"]), float(req["timeout"]),
                                                   inp)}
             else:
+                import torch
+
                 reply = _write(req, maps, torch, HostStore)
         except EOFError:
             return
