@@ -276,6 +276,11 @@ class Heartbeat:
         self._stop = threading.Event()
         self._fired: set = set()
         self._paused = False
+        # `watch` and `pause` move the epoch on: what the thread read from the store before that (a lost peer
+        # or a begun recovery of the old world) is not acted on after it (fired late, it shut the connections
+        # of the world formed meanwhile)
+        self._lock = threading.RLock()
+        self._epoch = 0
         self._thread = threading.Thread(target=self._run, name="pdv-heartbeat", daemon=True)
         self._thread.start()
         # stopped before the interpreter finalizes: a daemon thread still inside the store client's C++ then
@@ -285,16 +290,21 @@ class Heartbeat:
 
     def watch(self, uids: List[int], generation: Optional[int] = None) -> None:
         """Watch `uids` (this rank's world, after a recovery into `generation`) from now on."""
-        self._watch = [int(u) for u in uids if int(u) != self.uid]
-        self._fired = set()
-        if generation is not None:
-            self.generation = int(generation)
-        self.interrupted.clear()
-        self._paused = False
+        with self._lock:
+            self._watch = [int(u) for u in uids if int(u) != self.uid]
+            self._fired = set()
+            if generation is not None:
+                self.generation = int(generation)
+            self.interrupted.clear()
+            self._paused = False
+            self._epoch += 1
 
     def pause(self) -> None:
-        """No firing while a recovery runs: its new world's connections are not the old world's."""
-        self._paused = True
+        """No firing while a recovery runs: its new world's connections are not the old world's. Returns once
+        a firing in progress has finished."""
+        with self._lock:
+            self._paused = True
+            self._epoch += 1
 
     def stop(self, join_s: float = 5.0) -> None:
         """End the thread and wait for it (at most `join_s`: a store call in flight finishes first)."""
@@ -313,9 +323,9 @@ class Heartbeat:
                 if store is None:
                     store = connect(self.address, self.prefix, timeout_s=max(10.0, 4 * self.interval_s))
                 store.add(f"hb/{self.uid}", 1)
-                watch = list(self._watch)
+                with self._lock:
+                    epoch, watch, gen = self._epoch, list(self._watch), self.generation + 1
                 counts = {u: int(store.add(f"hb/{u}", 0)) for u in watch}
-                gen = self.generation + 1
                 begun = self.on_begun is not None and store.check([begun_key(gen)])
             except Exception as exc:  # noqa: BLE001 - the store unreachable: try again, say so once
                 if not warned:
@@ -328,19 +338,26 @@ class Heartbeat:
             for u, c in counts.items():
                 if u not in seen or seen[u][0] != c:
                     seen[u] = (c, now)
+            self._act(epoch, watch, seen, now, gen, begun)
+            self._stop.wait(self.interval_s)
+
+    def _act(self, epoch: int, watch: List[int], seen: dict, now: float, gen: int, begun: bool) -> None:
+        """Fire what one poll found, unless a `watch` or `pause` came since it read the store (`epoch`)."""
+        with self._lock:
+            if epoch != self._epoch or self._paused:
+                return
             lost = [u for u in watch if now - seen[u][1] > self.dead_after_s and u not in self._fired]
-            if lost and not self._paused:
+            if lost:
                 self._fired.update(lost)
                 self.interrupted.set()
                 try:
                     self.on_lost(lost)
                 except Exception:  # noqa: BLE001
                     pass
-            if begun and not self._paused and ("begun", gen) not in self._fired:
+            if begun and ("begun", gen) not in self._fired:
                 self._fired.add(("begun", gen))
                 self.interrupted.set()
                 try:
                     self.on_begun(gen)
                 except Exception:  # noqa: BLE001
                     pass
-            self._stop.wait(self.interval_s)

@@ -316,3 +316,26 @@ def test_a_wait_for_the_snapshot_in_flight_gives_up_when_interrupted():
         assert snaps._thread is None
     finally:
         set_interrupt(None)
+
+
+def test_what_a_poll_read_before_a_recovery_is_not_fired_after_it(server):
+    """A poll of the heartbeat reads the store, then acts. A recovery (`pause`, then `watch` of the new world)
+    that comes in between makes what it read stale: fired after the new world formed, an old world's begun
+    recovery shut the new world's connections (its survivors then failed their first step: seen once in the
+    second-failure test). Such a poll fires nothing; a poll made after it fires as before."""
+    from pdv_ext.recovery.inplace import Heartbeat
+
+    got, lost = [], []
+    beat = Heartbeat(server, "job/e7/", 0, [0, 1], lost.append, interval_s=3600, dead_after_s=60,
+                     on_begun=got.append)
+    try:
+        epoch = beat._epoch  # a poll's read: generation 1 begun, rank 1 silent long enough
+        seen = {1: (5, 0.0)}
+        beat.pause()  # the recovery starts...
+        beat.watch([0, 1], generation=1)  # ...and ends: the new world
+        beat._act(epoch, [1], seen, 1000.0, 1, True)
+        assert got == [] and lost == [] and not beat.interrupted.is_set()
+        beat._act(beat._epoch, [1], seen, 1000.0, 2, True)  # read after it: acted on
+        assert got == [2] and lost == [[1]] and beat.interrupted.is_set()
+    finally:
+        beat.stop()
