@@ -1,24 +1,27 @@
 """The snapshot keeper: a process beside each worker that turns a snapshot into files in host memory.
 
-Why a process: serializing, hashing and writing a stage's state costs CPU and, in a thread, the worker's GIL;
-on a GPU host that work belongs on the host's spare cores, not on the process that drives the device (the
+Why a process: making the files, hashing and writing a stage's state costs CPU and, in a thread, the worker's
+GIL; on a GPU host that work belongs on the host's spare cores, not on the process that drives the device (the
 emulator models this: its workers run under the device's CPU quota, the keepers under their host's group,
 `PDV_KEEPER_CGROUP`). The worker copies the state into one shared-memory buffer (a memcpy on the step's path)
-and sends the keeper the layout; the keeper rebuilds the objects, `torch.save`s them, writes them through
-`HostStore.write` (temporary name, rename, sha256) and answers with their seal entries. The worker seals.
+and sends the keeper each file's pickle (`torch_format.data_pickle`: the structure, tensors as references into
+the buffer); the keeper puts the tensors' bytes around it (`torch_format.archive`: the file torch.save would
+write), writes the files through `HostStore.write` (temporary name, rename, sha256) and answers with their seal
+entries. The worker seals. The keeper never imports torch: a second and more of CPU per keeper at the job's
+start, beside the workers' own start.
 
 The keeper dies with its worker (PR_SET_PDEATHSIG, and its pipe's end-of-file): a worker killed mid-snapshot
 takes its keeper with it, and what the keeper had not finished is never sealed.
 
 Protocol (the keeper's stdin / stdout, one pickle each way per request):
-  {"op": "write", "buffer": path, "size": n, "tensors": [(offset, dtype, shape)], "files": {name: object
-   with TensorRef(i) in place of tensors}, "root", "job", "host", "step", "write": bool, "only_first": bool}
+  {"op": "write", "buffer": path, "size": n, "tensors": [(offset, nbytes)], "files": {name: (data.pkl bytes,
+   [tensor index])}, "root", "job", "host", "step", "write": bool, "only_first": bool}
   -> {"sealed": {name: {"sha256", "bytes"}}, "serialize_s", "write_s"} or {"error": text}
   {"op": "listen", "root", "job", "host", "token", "timeout"} -> {"port": p}: take copies from other hosts'
    keepers from now on (a thread; each copy is written into this host's store as it comes)
   {"op": "push", "root", "job", "host", "step", "names", "to": [address, port], "token", "sender",
-   "timeout"} -> {"bytes": n}: send those files of this host's store to that keeper, which answers once it
-   has written them
+   "timeout"} -> {"bytes": n}: send those files of this host's store to that keeper (the bytes of the last
+   `write`, kept for it), which answers once it has written them
   {"op": "collect", "step", "senders": [rank], "timeout"} -> {"sealed": {name: entry}}: wait for the copies
    of `step` from those ranks (given up when the worker closes the pipe)
 
@@ -29,8 +32,8 @@ under the device's CPU quota on the emulator, beside the step).
 from __future__ import annotations
 
 import ctypes
-import io
 import json
+import mmap
 import os
 import pickle
 import select
@@ -43,6 +46,8 @@ import threading
 import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
+
+from .torch_format import archive, data_pickle
 
 CGROUP_ENV = "PDV_KEEPER_CGROUP"  # a cgroup.procs file the keeper moves itself into (the emulator's host CPU)
 ALIGN = 64
@@ -73,15 +78,6 @@ def flatten(obj: Any, out: List[Any]) -> Any:
         return type(obj)(flatten(v, out) for v in obj)
     return obj
 
-
-def rebuild(obj: Any, tensors: List[Any]) -> Any:
-    if isinstance(obj, TensorRef):
-        return tensors[obj.i]
-    if isinstance(obj, dict):
-        return {k: rebuild(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(rebuild(v, tensors) for v in obj)
-    return obj
 
 
 def local_address() -> str:
@@ -130,17 +126,18 @@ class Keeper:
             except Exception:  # noqa: BLE001 - pageable memory still works, the driver stages the copies
                 pass
 
-    def stage(self, obj: Any) -> Tuple[Any, List[Tuple[int, str, Tuple[int, ...]]]]:
-        """Copy every tensor of `obj` into the shared buffer (the only work on the step's path); returns the
-        object with TensorRefs and the layout."""
+    def stage(self, files: Dict[str, Any]) -> Tuple[Dict[str, Tuple[bytes, List[int]]], List[Tuple[int, int]]]:
+        """Copy every tensor of `files` ({name: object}) into the shared buffer (the only work on the step's
+        path) and pickle each file's structure around references to them; returns {name: (data.pkl, the
+        tensors it refers to)} and each tensor's (offset, bytes) in the buffer, for `write`."""
         tensors: List[Any] = []
-        flat = flatten(obj, tensors)
+        flat = flatten(files, tensors)
         offsets, total = [], 0
         for t in tensors:
             offsets.append(total)
             total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
         self._ensure(total)
-        layout = []
+        layout, spans = [], []
         on_gpu = False
         for t, off in zip(tensors, offsets):
             n = t.numel() * t.element_size()
@@ -150,16 +147,19 @@ class Keeper:
                 on_gpu |= t.is_cuda
                 self.buffer[off:off + n].view(t.dtype).view(t.shape).copy_(t.detach(), non_blocking=t.is_cuda)
             layout.append((off, str(t.dtype).replace("torch.", ""), tuple(t.shape)))
+            spans.append((off, n))
+        pickles = {name: data_pickle(obj, layout, TensorRef) for name, obj in flat.items()}
         if on_gpu:
             import torch
 
             torch.cuda.synchronize()
-        return flat, layout
+        return pickles, spans
 
-    def write(self, files: Any, layout: List[Any], **job: Any) -> Dict[str, Any]:
+    def write(self, files: Dict[str, Tuple[bytes, List[int]]], spans: List[Tuple[int, int]],
+              **job: Any) -> Dict[str, Any]:
         """Have the keeper write `files` (staged by `stage`); blocks until it answers (waiting on a pipe
         releases the GIL)."""
-        req = {"op": "write", "buffer": self.path, "size": self.size, "tensors": layout, "files": files, **job}
+        req = {"op": "write", "buffer": self.path, "size": self.size, "tensors": spans, "files": files, **job}
         try:
             return self.request(req)
         finally:
@@ -301,10 +301,11 @@ class Copies:
 
 
 def push(store: Any, step: int, names: List[str], to: Tuple[str, int], token: str, sender: int,
-         timeout: float) -> int:
-    """Send the files `names` of `step` from this host's store to the keeper at `to`; returns the bytes sent
-    once it has written them."""
-    blobs = [store.read_raw(step, name) for name in names]
+         timeout: float, written: Optional[Dict[Tuple[int, str], bytes]] = None) -> int:
+    """Send the files `names` of `step` from this host's store to the keeper at `to` (from `written`, the
+    bytes this keeper wrote last, where they are there); returns the bytes sent once it has written them."""
+    written = written or {}
+    blobs = [written[(step, name)] if (step, name) in written else store.read_raw(step, name) for name in names]
     head = json.dumps({"token": token, "step": int(step), "sender": int(sender),
                        "files": [[n, len(b)] for n, b in zip(names, blobs)]}).encode()
     with socket.create_connection((to[0], int(to[1])), timeout=timeout) as sock:
@@ -319,11 +320,8 @@ def push(store: Any, step: int, names: List[str], to: Tuple[str, int], token: st
 def _serve(inp: Any, out: Any) -> None:
     from .store import HostStore
 
-    # torch (a second or more of CPU) is imported beside the requests, not before them: `listen` is asked on
-    # the step's path at the first snapshot and needs no torch; a `write` waits for the import if it must
-    threading.Thread(target=lambda: __import__("torch"), daemon=True, name="pdv-keeper-import").start()
-
     maps: Dict[Tuple[str, int], Any] = {}
+    written: Dict[Tuple[int, str], bytes] = {}  # the last write's files, for its push (not read back)
     copies: Optional[Copies] = None
     while True:
         try:
@@ -340,7 +338,7 @@ def _serve(inp: Any, out: Any) -> None:
             elif op == "push":
                 t0 = time.perf_counter()
                 n = push(HostStore(req["root"], req["job"], req["host"]), int(req["step"]), list(req["names"]),
-                         tuple(req["to"]), req["token"], int(req["sender"]), float(req["timeout"]))
+                         tuple(req["to"]), req["token"], int(req["sender"]), float(req["timeout"]), written)
                 reply = {"bytes": n, "push_s": time.perf_counter() - t0}
             elif op == "collect":
                 if copies is None:
@@ -348,9 +346,7 @@ def _serve(inp: Any, out: Any) -> None:
                 reply = {"sealed": copies.collect(int(req["step"]), list(req["senders"]), float(req["timeout"]),
                                                   inp)}
             else:
-                import torch
-
-                reply = _write(req, maps, torch, HostStore)
+                reply = _write(req, maps, HostStore, written)
         except EOFError:
             return
         except Exception:  # noqa: BLE001 - every failure goes back to the worker, which raises it
@@ -359,31 +355,33 @@ def _serve(inp: Any, out: Any) -> None:
         out.flush()
 
 
-def _write(req: Dict[str, Any], maps: Dict[Tuple[str, int], Any], torch: Any, HostStore: Any) -> Dict[str, Any]:
-    """The `write` request: the staged tensors rebuilt into their objects, serialized, written."""
+def _write(req: Dict[str, Any], maps: Dict[Tuple[str, int], Any], HostStore: Any,
+           written: Dict[Tuple[int, str], bytes]) -> Dict[str, Any]:
+    """The `write` request: each file made from its pickle and its tensors' bytes in the shared buffer, then
+    written; the files are kept in `written` (until the next write) for the copy to the other host."""
     key = (req["buffer"], req["size"])
     if key not in maps:
+        for old in maps.values():
+            old.close()
         maps.clear()
-        maps[key] = torch.from_file(req["buffer"], shared=True, size=req["size"], dtype=torch.uint8)
-    buf = maps[key]
+        with open(req["buffer"], "r+b") as f:
+            maps[key] = mmap.mmap(f.fileno(), int(req["size"]))
+    view = memoryview(maps[key])
     t0 = time.perf_counter()
-    tensors = []
-    for off, dtype, shape in req["tensors"]:
-        dt = getattr(torch, dtype)
-        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
-        tensors.append(buf[off:off + n].view(dt).view(shape).clone() if n else torch.empty(shape, dtype=dt))
-    blobs = {}
-    for name, obj in req["files"].items():
-        obj = rebuild(obj, tensors)  # (checked plain by the worker before it was staged)
-        b = io.BytesIO()
-        torch.save(obj, b)
-        blobs[name] = b.getvalue()
+    spans = req["tensors"]
+    try:
+        blobs = {name: archive(pkl, [(i, view[spans[i][0]:spans[i][0] + spans[i][1]]) for i in used])
+                 for name, (pkl, used) in req["files"].items()}
+    finally:
+        view.release()
     t1 = time.perf_counter()
     sealed = {}
+    written.clear()
     if req["write"]:
         store = HostStore(req["root"], req["job"], req["host"])
         for name in sorted(blobs):
             sealed[name] = store.write(req["step"], name, blobs[name])
+            written[(int(req["step"]), name)] = blobs[name]
             if req.get("only_first"):
                 break
     return {"sealed": sealed, "serialize_s": t1 - t0, "write_s": time.perf_counter() - t1}

@@ -83,21 +83,6 @@ def _hosts(store: HostStore) -> List[str]:
     return [str(h) for h in hosts]
 
 
-def _send(data: bytes, dst: int, group: Any = None) -> None:
-    dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, group=group)
-    if data:
-        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=group)
-
-
-def _recv(src: int, group: Any = None) -> bytes:
-    n = torch.empty(1, dtype=torch.int64)
-    dist.recv(n, src, group=group)
-    buf = torch.empty(int(n.item()), dtype=torch.uint8)
-    if buf.numel():
-        dist.recv(buf, src, group=group)
-    return buf.numpy().tobytes()
-
-
 def pack_files(files: Dict[str, bytes]) -> bytes:
     """Files as one message: an 8-byte header length, a JSON header of [name, size] pairs, the bytes in order."""
     head = json.dumps([[name, len(data)] for name, data in files.items()]).encode()
@@ -550,23 +535,24 @@ class Snapshots:
                 shas.setdefault(name, sha)
         mine_now = store.complete().get(step) or {}
         local = set(mine_now.get("files", {})) if generation_of(mine_now) == step_gen else set()
-        for r in range(dist.get_world_size()):  # fetch what each rank's host lacks, in one global order
-            host_r = listings[r][0]
-            have_r = set((current.get(host_r) or {}).get("files", {}))
+        transfers: Dict[Tuple[int, int], List[str]] = {}  # (from, to) -> what each rank's host lacks
+        for r in range(dist.get_world_size()):  # (every rank works out the same)
+            have_r = set((current.get(listings[r][0]) or {}).get("files", {}))
             for name in need_by_rank[r]:
-                if name in have_r or name not in holders:
+                if name not in have_r and name in holders:
+                    transfers.setdefault((holders[name][0], r), []).append(name)
+        outgoing = {dst: pack_files({n: store.read(step, n, shas[n]) for n in names})
+                    for (src, dst), names in sorted(transfers.items()) if src == rank}
+        incoming = sorted(src for src, dst in transfers if dst == rank)
+        for src, blob in sorted(exchange(outgoing, incoming).items()):  # all at once, both ways
+            for name, data in unpack_files(blob).items():
+                if name in local:
                     continue
-                src = holders[name][0]
-                if rank == src:
-                    _send(store.read(step, name, shas[name]), r)
-                elif rank == r:
-                    data = _recv(src)
-                    if name not in local:
-                        entry = store.write(step, name, data)
-                        if entry["sha256"] != shas[name]:
-                            raise SnapshotLost([f"snapshots: {name} of step {step} arrived damaged from rank {src}"])
-                        store.seal(step, rank, {name: entry}, [], label=f"-fetched-{name}", generation=step_gen)
-                        local.add(name)
+                entry = store.write(step, name, data)
+                if entry["sha256"] != shas[name]:
+                    raise SnapshotLost([f"snapshots: {name} of step {step} arrived damaged from rank {src}"])
+                store.seal(step, rank, {name: entry}, [], label=f"-fetched-{name}", generation=step_gen)
+                local.add(name)
         files = (store.complete().get(step) or {}).get("files", {})
         for name in sorted(mine & set(files)):  # what this rank will load: checked before the loader reads it
             store.read(step, name, files[name])
