@@ -19,7 +19,7 @@ demo: setup
 	@bash launch/demo.sh
 
 test: setup
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=25
 	$(PY) -m tests.wheel.check_wheel
 	VENV=$(VENV) bash scripts/test_compat.sh $(DEEPSPEED_OLDEST)
 

@@ -302,7 +302,7 @@ def test_a_resume_starts_a_generation_and_fetches_over_an_old_timeline(tmp_path,
 
     sent, loaded = [], []
     monkeypatch.setattr(snap_mod, "dist", TwoRanks)
-    monkeypatch.setattr(snap_mod, "_send", lambda data, dst, group=None: sent.append((dst, data)))
+    monkeypatch.setattr(snap_mod, "exchange", lambda out, incoming, group=None: sent.append((out, incoming)) or {})
     monkeypatch.setattr(snap_mod, "load_layer_checkpoint", lambda eng, base, tag: loaded.append((base, tag)))
     snaps = Snapshots.__new__(Snapshots)
     snaps.store, snaps.hosts, snaps._thread, snaps._error = a, ["hostA", "hostB"], None, None
@@ -315,7 +315,9 @@ def test_a_resume_starts_a_generation_and_fetches_over_an_old_timeline(tmp_path,
 
     assert snaps.resume(Engine()) == 6
     assert snaps.generation == 2
-    assert sent == [(1, b"new"), (1, b"new")]  # layer_01 and meta for host B: its old copies do not count
+    (out, incoming), = sent  # layer_01 and meta for host B, in one message: its old copies do not count
+    assert incoming == [] and list(out) == [1]
+    assert snap_mod.unpack_files(out[1]) == {"layer_01.pt": b"new", "meta.pt": b"new"}
     assert loaded == [(a.base, "step00000006")]
 
 
