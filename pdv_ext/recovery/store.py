@@ -100,7 +100,7 @@ class HostStore:
         """Drop all but the newest `keep` steps that have a seal (and any older unsealed leftovers);
         returns the steps dropped. Called after a snapshot every rank finished."""
         steps = self.steps()
-        sealed = [s for s in steps if self._seals(s)]
+        sealed = [s for s in steps if self._sealed(s)]
         keep_from = sealed[-keep] if len(sealed) >= keep else (sealed[0] if sealed else None)
         return self._drop([s for s in steps if keep_from is not None and s < keep_from])
 
@@ -123,6 +123,14 @@ class HostStore:
         except FileNotFoundError:
             return []
         return sorted(int(m.group(1)) for m in map(_STEP.match, names) if m)
+
+    def _sealed(self, step: int) -> bool:
+        """Whether some rank sealed files of `step` here (a name, not read: `prune` runs after every
+        snapshot, on the writing rank's thread)."""
+        try:
+            return any(_SEAL.match(name) for name in os.listdir(os.path.join(self.base, tag_of(step))))
+        except FileNotFoundError:
+            return False
 
     def _seals(self, step: int) -> List[dict]:
         folder = os.path.join(self.base, tag_of(step))

@@ -100,10 +100,11 @@ def _replica_part(st: ParamState, whole: bool) -> Dict[str, Any]:
             "scalars": {k: v for k, v in st.scalars().items() if is_aggregator_key(k)}}
 
 
-def local_entries(engine: Any) -> Tuple[Dict[str, ParamState], Dict[str, Any]]:
+def local_entries(engine: Any, copy: bool = True) -> Tuple[Dict[str, ParamState], Dict[str, Any]]:
     """This rank's parameters, whole, with its replica's aggregator state, and its pdv state without
-    the per-parameter part (collective over the stage's data-parallel group)."""
-    states = collect_params(engine)
+    the per-parameter part (collective over the stage's data-parallel group). `copy=False`: the live tensors
+    where they are whole (`collect_params`), for a caller that copies them before the next step."""
+    states = collect_params(engine, copy=copy)
     pdv = state_of(engine)
     pdv["aggregator_state"], per = split_aggregator_state(engine)
     for name, agg in per.items():
@@ -111,11 +112,12 @@ def local_entries(engine: Any) -> Tuple[Dict[str, ParamState], Dict[str, Any]]:
     return states, pdv
 
 
-def stage_layer_entries(engine: Any) -> Tuple[Dict[int, Dict[str, Any]], Dict[str, Any], bool]:
+def stage_layer_entries(engine: Any, copy: bool = True) -> Tuple[Dict[int, Dict[str, Any]], Dict[str, Any], bool]:
     """What the layer files of this rank's stage hold ({layer: {name: entry}}), this rank's pdv state and
     whether replicas differ. Collective over the stage's data-parallel group (each replica's own part is
-    gathered where replicas differ or keep aggregator state); every replica gets the same entries."""
-    states, pdv = local_entries(engine)
+    gathered where replicas differ or keep aggregator state); every replica gets the same entries.
+    `copy=False`: see `local_entries`."""
+    states, pdv = local_entries(engine, copy)
     grid = engine.grid
     dp_group, dp_size = grid.get_data_parallel_group(), grid.get_data_parallel_world_size()
     whole = replicas_differ(engine)

@@ -64,7 +64,9 @@ class _Layout:
     """How an optimizer keeps per-parameter state: `collect` (may be collective over the stage's
     data-parallel group) and `apply` (local)."""
 
-    def collect(self, names: Dict[int, str]) -> Dict[str, ParamState]:
+    def collect(self, names: Dict[int, str], copy: bool = True) -> Dict[str, ParamState]:
+        """`copy=False`: the live tensors where no gather makes new ones (for a caller that copies them at
+        once, as a snapshot does into its keeper's buffer: one copy of the state on the step's path, not two)."""
         raise NotImplementedError
 
     def apply(self, states: Dict[str, ParamState], names: Dict[int, str], keep_optimizer: bool = False) -> None:
@@ -79,15 +81,15 @@ class PerParameterLayout(_Layout):
     def __init__(self, optimizer: Optional[torch.optim.Optimizer]):
         self.opt = optimizer
 
-    def collect(self, names: Dict[int, str]) -> Dict[str, ParamState]:
+    def collect(self, names: Dict[int, str], copy: bool = True) -> Dict[str, ParamState]:
         out: Dict[str, ParamState] = {}
         if self.opt is None:
             return out
         for i, g in enumerate(self.opt.param_groups):
             for p in g["params"]:
                 st = self.opt.state.get(p, {})
-                out[names[id(p)]] = ParamState(weight=p.detach().clone(), group=i,
-                                               optim={k: _copy(v) for k, v in st.items()})
+                out[names[id(p)]] = ParamState(weight=_held(p, copy), group=i,
+                                               optim={k: _held(v, copy) for k, v in st.items()})
         return out
 
     def apply(self, states: Dict[str, ParamState], names: Dict[int, str], keep_optimizer: bool = False) -> None:
@@ -134,7 +136,7 @@ class FlatLayout(_Layout):
             raise RuntimeError(f"optimizer state differs between data-parallel ranks: {seen}")
         return keys
 
-    def collect(self, names: Dict[int, str]) -> Dict[str, ParamState]:
+    def collect(self, names: Dict[int, str], copy: bool = True) -> Dict[str, ParamState]:
         out: Dict[str, ParamState] = {}
         for i, (params, flat, keys) in enumerate(zip(self.lp_groups, self.flats, self._state_keys())):
             st = self.base.state.get(flat, {})
@@ -149,8 +151,9 @@ class FlatLayout(_Layout):
                 whole[key] = buf
             scalars = {k: _copy(v) for k, v in st.items() if k not in keys}
             for j, p in enumerate(params):
-                cut = lambda b: b.narrow(0, off[j], p.numel()).view(p.shape).clone()  # noqa: E731
-                out[names[id(p)]] = ParamState(weight=p.detach().clone(), master=cut(whole["master"]), group=i,
+                # (the whole buffers are this call's own: a view of one is a copy of the state already)
+                cut = lambda b: _held(b.narrow(0, off[j], p.numel()).view(p.shape), copy)  # noqa: E731
+                out[names[id(p)]] = ParamState(weight=_held(p, copy), master=cut(whole["master"]), group=i,
                                                optim={**{k: cut(whole[k]) for k in keys}, **scalars})
         return out
 
@@ -250,18 +253,26 @@ def collect_is_collective(engine: Any) -> bool:
 # ---------------------------------------------------------------------------------------------------
 # Parameters: collect (full tensors) and apply (local fragments)
 # ---------------------------------------------------------------------------------------------------
-def collect_params(engine: Any, layout: Optional[_Layout] = None) -> Dict[str, ParamState]:
+def collect_params(engine: Any, layout: Optional[_Layout] = None, copy: bool = True) -> Dict[str, ParamState]:
     """This stage's parameters and buffers, whole, by name (collective over the stage's data-parallel
-    group under BF16_Optimizer and ZeRO-1)."""
+    group under BF16_Optimizer and ZeRO-1). `copy=False`: live tensors where they are whole already
+    (`_Layout.collect`)."""
     module = engine.module
     names = {id(p): n for n, p in module.named_parameters()}
-    out = (layout or layout_of(engine)).collect(names)
+    out = (layout or layout_of(engine)).collect(names, copy)
     for n, p in module.named_parameters():
         if n not in out:  # frozen: not in any optimizer group
-            out[n] = ParamState(weight=p.detach().clone())
+            out[n] = ParamState(weight=_held(p, copy))
     for n, b in module.named_buffers():
-        out[n] = ParamState(weight=b.detach().clone(), is_buffer=True)
+        out[n] = ParamState(weight=_held(b, copy), is_buffer=True)
     return out
+
+
+def _held(v: Any, copy: bool) -> Any:
+    """A tensor detached (and cloned where `copy`), anything else copied (`copy_value`)."""
+    if torch.is_tensor(v):
+        return v.detach().clone() if copy else v.detach()
+    return _copy(v)
 
 
 def apply_params(engine: Any, states: Dict[str, ParamState], layout: Optional[_Layout] = None,

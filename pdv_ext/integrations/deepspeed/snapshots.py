@@ -332,14 +332,17 @@ class Snapshots:
         mapping = current_mapping(eng.module)
         key = (tuple(tuple(r) for r in mapping), tuple(int(p) for p in eng.module.parts),
                type(eng.aggregator).__name__)
+        # in the background the keeper's buffer takes the one copy (below, before the step goes on), so the
+        # entries can be the live tensors; inside the step they are serialized as they are (torch.save of a
+        # view writes its whole storage), so copies
         plan = self._plan
         if plan is None or plan.key != key:
-            by_layer, pdv, whole = stage_layer_entries(eng)
+            by_layer, pdv, whole = stage_layer_entries(eng, copy=self._group is None)
             plan = self._plan = _Plan.make(key, mapping, self.hosts, by_layer, collect_is_collective(eng),
                                            self._groups_for)
             plan.keepers = self._keeper_addresses(plan, rank)
         elif rank in plan.participants or plan.gathers:  # (the gather: collective over the stage's replicas)
-            by_layer, pdv, whole = stage_layer_entries(eng)
+            by_layer, pdv, whole = stage_layer_entries(eng, copy=self._group is None)
         auto = self.cfg.every == "auto" and self._group is not None
         if rank not in plan.participants and self._keeper is not None:  # (started again if a plan needs it)
             self._keeper.close()
