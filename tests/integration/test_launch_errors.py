@@ -2,6 +2,7 @@
 --deepspeed_config BAD.json` printed the same ConfigError traceback once per rank (about 110 lines). Now rank
 0 prints the error's lines, every rank exits with status 2, no traceback, and it fails before any process
 group starts. `--import` makes a decorator-registered policy name usable."""
+import glob
 import json
 import os
 import sys
@@ -82,8 +83,13 @@ def test_initialize_without_the_decorator_is_reported_once_too(tmp_path):
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    rc, out = run_command([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), str(script)],
+    port = free_port()
+    rc, out = run_command([deepspeed, "--num_gpus", "2", "--master_port", str(port), str(script)],
                           env=env, timeout=240, tail_lines=400)
+    left = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
+    for path in left:
+        os.remove(path)
+    assert not left, f"DeepSpeed's shm workspaces left behind by a failed start-up: {left}"
     assert rc == 2, out
     assert "Traceback" not in out and "not reached" not in out, out
     assert out.count("pdv_ext: invalid configuration") == 1, out
