@@ -61,9 +61,6 @@ class TensorRef:
     def __init__(self, i: int):
         self.i = i
 
-    def __reduce__(self):
-        return (TensorRef, (self.i,))
-
 
 def flatten(obj: Any, out: List[Any]) -> Any:
     """`obj` with each tensor replaced by a TensorRef and appended to `out` (dicts, lists, tuples rebuilt)."""
@@ -77,7 +74,6 @@ def flatten(obj: Any, out: List[Any]) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(flatten(v, out) for v in obj)
     return obj
-
 
 
 def local_address() -> str:
@@ -398,6 +394,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from pdv_ext.recovery.keeper import main as _main  # the module's own classes (TensorRef), not __main__'s
-
-    _main()
+    main()
