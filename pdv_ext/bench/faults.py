@@ -251,13 +251,15 @@ def _survivor_summary(run: Dict[str, Any], steps: int, device: str) -> Dict[str,
 
 def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str], hidden: int,
                  out: Optional[str] = None, every: str = "1", startup_on_host: bool = True,
-                 in_place_timeout: Optional[float] = None, layout: str = "stages") -> Dict[str, Any]:
+                 in_place_timeout: Optional[float] = None, layout: str = "stages", repeats: int = 1) -> Dict[str, Any]:
     """Every way of the scenario in one job. `startup_on_host`: the workers' start-up (imports, rendezvous,
     the model) runs on their host's CPU, as on real hosts, not under a slow device's quota (`pdv emulate
     --startup-on-host`), in every way alike. `in_place_timeout`: the recovered way recovers in place, and
     every way's process groups time out after that many seconds. `layout`: faults_job.py's `--layout`, where a
     stage's replicas run (a snapshot crosses the link between hosts only for a stage all of whose replicas
-    share a host)."""
+    share a host). `repeats`: the recovered and disk ways alternate that many rounds (this machine's speed
+    drifts between runs by as much as the targets allow) and the headline figures are the rounds' medians
+    (`_median_rounds`); the reference runs once per step the rounds resumed from."""
     sc, cluster_path, cluster, lost, left = _scenario(path)
     steps = steps or sc.run.steps
     lose_at = lost.at_step
@@ -271,46 +273,98 @@ def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str
                            "lost": lost.target, "devices_left": len(left), "pipe": sc.run.pipe,
                            "snapshot_every": every, "startup_on_host": startup_on_host,
                            "in_place": in_place_timeout is not None, "layout": layout,
-                           "rank_mapping": layout_names(cluster, sc.run.pipe, layout)}
+                           "rank_mapping": layout_names(cluster, sc.run.pipe, layout), "repeats": repeats}
     base = ["--steps", str(steps), "--pipe", str(sc.run.pipe), "--hidden", str(hidden), "--layout", layout] + \
         (["--pg-timeout", str(in_place_timeout)] if in_place_timeout is not None else [])
-    series: Dict[str, Any] = {}
+    rounds: List[Dict[str, Any]] = []
+    series: List[Dict[str, Any]] = []
     try:
         ev = os.path.join(work, "events.yaml")
         with open(ev, "w", encoding="utf-8") as f:
             kind = "host" if hasattr(lost, "host") else "device"
             f.write(f"- {{at_step: {lose_at}, {kind}: {lost.target}, down: true}}\n")
-        for kind, mode in (("recovered", "snapshots"), ("disk_restart", "disk")):
-            if kind in only:
-                log(f"[bench faults] {kind}: {lost.target} lost after step {lose_at}")
-                run = _emulate(work, kind, cluster_path, ev,
-                               base + ["--root", os.path.join(work, f"{kind}-root"), "--mode", mode, "--every", every]
-                               + (["--in-place"] if kind == "recovered" and in_place_timeout is not None else []),
-                               timeout, startup_on_host)
-                res[kind] = _survivor_summary(run, steps, watch)
-                if kind == "recovered" and in_place_timeout is not None and not res[kind].get("in_place"):
-                    res[kind]["output"] = _keep_output(kind, run["text"])  # restarted instead: why is in there
-                    log(f"[bench faults] recovered: not in place (restarted); its whole output: {res[kind]['output']}")
-                series[kind] = _series(run["logs"][watch], run["t_kill"])
+        for r in range(repeats):
+            rnd: Dict[str, Any] = {}
+            series.append({})
+            for kind, mode in (("recovered", "snapshots"), ("disk_restart", "disk")):
+                if kind in only:
+                    name = kind if r == 0 else f"{kind}-{r + 1}"
+                    log(f"[bench faults] {kind}" + (f", round {r + 1} of {repeats}" if repeats > 1 else "") +
+                        f": {lost.target} lost after step {lose_at}")
+                    run = _emulate(work, name, cluster_path, ev,
+                                   base + ["--root", os.path.join(work, f"{name}-root"), "--mode", mode,
+                                           "--every", every]
+                                   + (["--in-place"] if kind == "recovered" and in_place_timeout is not None else []),
+                                   timeout, startup_on_host)
+                    rnd[kind] = _survivor_summary(run, steps, watch)
+                    if kind == "recovered" and in_place_timeout is not None and not rnd[kind].get("in_place"):
+                        rnd[kind]["output"] = _keep_output(name, run["text"])  # restarted instead: why is in there
+                        log(f"[bench faults] recovered: not in place (restarted); its whole output: "
+                            f"{rnd[kind]['output']}")
+                    series[r][kind] = _series(run["logs"][watch], run["t_kill"])
+            rounds.append(rnd)
         if "reference" in only:
-            at = _switch_step(res, lose_at)
-            log(f"[bench faults] reference: {len(cluster)} devices to step {at}, a disk checkpoint, "
-                f"{len(left)} devices from it")
-            ckpt = os.path.join(work, "reference-ckpt")
-            first = _emulate(work, "reference", cluster_path, None,
-                             base + ["--root", ckpt, "--mode", "none", "--save-at", str(at)], timeout, startup_on_host)
-            sub = os.path.join(work, "survivors.yaml")
-            cluster.subset(left, source="survivors").save(sub)
-            second = _emulate(work, "reference2", sub, None, base + ["--root", ckpt, "--mode", "none", "--load",
-                                                                     ckpt], timeout, startup_on_host)
-            held = [e["held_out"] for e in second["logs"][watch] if "held_out" in e]
-            res["reference"] = {"held_out": held[-1] if held else None, "switch_at": at,
-                                "wall_s": round(first["wall_s"] + second["wall_s"], 2)}
-        _combine(res)
-        _write_out(res, series, out)
+            refs: Dict[int, Dict[str, Any]] = {}
+            for at in sorted({_switch_step(rnd, lose_at) for rnd in rounds}):
+                log(f"[bench faults] reference: {len(cluster)} devices to step {at}, a disk checkpoint, "
+                    f"{len(left)} devices from it")
+                ckpt = os.path.join(work, f"reference-ckpt-{at}")
+                first = _emulate(work, f"reference-{at}", cluster_path, None,
+                                 base + ["--root", ckpt, "--mode", "none", "--save-at", str(at)], timeout,
+                                 startup_on_host)
+                sub = os.path.join(work, "survivors.yaml")
+                cluster.subset(left, source="survivors").save(sub)
+                second = _emulate(work, f"reference2-{at}", sub, None,
+                                  base + ["--root", ckpt, "--mode", "none", "--load", ckpt], timeout, startup_on_host)
+                held = [e["held_out"] for e in second["logs"][watch] if "held_out" in e]
+                refs[at] = {"held_out": held[-1] if held else None, "switch_at": at,
+                            "wall_s": round(first["wall_s"] + second["wall_s"], 2)}
+            for rnd in rounds:
+                rnd["reference"] = refs[_switch_step(rnd, lose_at)]
+        for rnd in rounds:
+            _combine(rnd)
+        median = _median_rounds(res, rounds)
+        _write_out(res, series[median], out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return res
+
+
+#: the rounds' figures `--repeats` reports: the median of each (the worst for what must hold in every round)
+ROUND_FIGURES = ("recovered_vs_disk_restart", "snapshot_overhead", "snapshot_overhead_median",
+                 "snapshot_overhead_after", "snapshot_setup_s", "startup_extra_s", "recovery_s")
+
+
+def _median_rounds(res: Dict[str, Any], rounds: List[Dict[str, Any]]) -> int:
+    """Fill `res` (in place) from the rounds' combined figures: each of ROUND_FIGURES the median over the
+    rounds, `completed` only when every round completed, `steps_lost` and `held_out_vs_reference` the worst
+    round's; the ways' own summaries and the recovery's parts are the median round's (the one whose
+    `recovered_vs_disk_restart` is the median; the first when there is none). With more than one round,
+    `rounds` lists each round's figures. Returns the median round's index."""
+    def key(i: int) -> float:
+        v = rounds[i].get("recovered_vs_disk_restart")
+        return v if v is not None else math.inf
+
+    order = sorted(range(len(rounds)), key=key)
+    mid = order[(len(order) - 1) // 2]  # the lower median of an even count: a round that ran
+    res.update(rounds[mid])
+    for k in ROUND_FIGURES:
+        vals = [rnd[k] for rnd in rounds if rnd.get(k) is not None]
+        if vals:
+            res[k] = round(statistics.median(vals), 4)
+    if any("completed" in rnd for rnd in rounds):
+        res["completed"] = all(rnd.get("completed", False) for rnd in rounds)
+        res["steps_lost"] = max(rnd.get("steps_lost", 0) for rnd in rounds)
+    held = [rnd["held_out_vs_reference"] for rnd in rounds if rnd.get("held_out_vs_reference") is not None]
+    if held:
+        res["held_out_vs_reference"] = max(held)
+    if len(rounds) > 1:
+        res["median_round"] = mid + 1
+        res["rounds"] = [{k: rnd.get(k) for k in ("completed", "steps_lost", "held_out_vs_reference", *ROUND_FIGURES)}
+                         | {"recovered_wall_s": (rnd.get("recovered") or {}).get("wall_s"),
+                            "disk_restart_wall_s": (rnd.get("disk_restart") or {}).get("wall_s")}
+                         for rnd in rounds]
+    return mid
 
 
 def layout_names(cluster: Any, pipe: int, layout: str) -> List[List[str]]:
@@ -397,6 +451,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "a stage crosses the link between hosts) or pipelines (each host runs whole pipelines: a "
                          "lost host leaves a whole copy of the model and no snapshot crosses that link, but the "
                          "gradient reduction does)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="--scenario: the recovered and disk ways alternate this many rounds; the figures are the "
+                         "rounds' medians (what must hold in every round: the worst), each round under `rounds`")
     ap.add_argument("--startup-on-device", action="store_true",
                     help="--scenario: run the workers' start-up under their device's CPU quota too (before "
                          "2026-11-28; default: on their host's CPU, `pdv emulate --startup-on-host`)")
@@ -406,6 +463,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.in_place and not args.scenario:
         ap.error("--in-place: needs --scenario (the emulated cluster: one torchrun agent per device, which a lost "
                  "device takes with it, so the survivors' agents leave their workers running)")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1 (got {args.repeats})")
+    if args.repeats > 1 and not args.scenario:
+        ap.error("--repeats: needs --scenario (the two-host run on this machine is one round)")
     if not (math.isfinite(args.pg_timeout) and args.pg_timeout > 0):
         ap.error(f"--pg-timeout must be a number of seconds > 0 (got {args.pg_timeout:g})")
     if args.scenario:
@@ -417,7 +478,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             check_available()  # not root, or no netns / tc / cgroups: one line now, not a failure per way later
             ready_jit_ops()  # not inside the first way's start-up
             res = run_scenario(args.scenario, args.steps, args.timeout, kinds, args.hidden, args.out, args.every,
-                               not args.startup_on_device, args.pg_timeout if args.in_place else None, args.layout)
+                               not args.startup_on_device, args.pg_timeout if args.in_place else None, args.layout,
+                               args.repeats)
         except ConfigError as exc:
             for line in exc.errors:
                 print(f"pdv bench faults: {line}", file=sys.stderr)

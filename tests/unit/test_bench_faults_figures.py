@@ -58,3 +58,34 @@ def test_the_layouts_place_replicas_by_host_not_by_rank():
     cluster = load_cluster(os.path.join(ROOT, "launch", "clusters", "emulated_4dev.yaml"))
     assert layout_names(cluster, 2, "pipelines") == [["fast0", "slow0"], ["fast1", "slow1"]]
     assert layout_names(cluster, 2, "stages") == [["fast0", "fast1"], ["slow0", "slow1"]]
+
+
+def _round(ratio, overhead, recovery, completed=True, lost=1, held=0.0):
+    return {"recovered_vs_disk_restart": ratio, "snapshot_overhead": overhead, "recovery_s": recovery,
+            "completed": completed, "steps_lost": lost, "held_out_vs_reference": held,
+            "recovered": {"wall_s": 100 * ratio, "name": f"r{ratio}"}, "disk_restart": {"wall_s": 100.0}}
+
+
+def test_repeats_report_the_rounds_medians_and_the_worst_of_what_must_always_hold():
+    """`--repeats`: each figure the median of the rounds; `completed` only if every round completed, the most
+    steps lost and the largest held-out difference of any round; the ways' summaries from the median round."""
+    rounds = [_round(0.95, 0.20, 6.0), _round(0.80, 0.01, 7.0, lost=0), _round(0.84, 0.05, 5.0, held=1e-7)]
+    res = {}
+    mid = faults._median_rounds(res, rounds)
+    assert mid == 2 and res["median_round"] == 3 and res["recovered"]["name"] == "r0.84"
+    assert res["recovered_vs_disk_restart"] == 0.84 and res["snapshot_overhead"] == 0.05
+    assert res["recovery_s"] == 6.0 and res["steps_lost"] == 1 and res["held_out_vs_reference"] == 1e-7
+    assert res["completed"] and len(res["rounds"]) == 3 and res["rounds"][0]["recovered_wall_s"] == 95.0
+    rounds[1]["completed"] = False
+    faults._median_rounds(res, rounds)
+    assert res["completed"] is False
+    one = {}
+    assert faults._median_rounds(one, [_round(0.9, 0.1, 4.0)]) == 0 and "rounds" not in one
+    assert one["recovered_vs_disk_restart"] == 0.9
+
+
+def test_repeats_is_checked_before_anything_runs(capsys):
+    for argv, msg in ((["--repeats", "0"], "--repeats must be >= 1"), (["--repeats", "2"], "needs --scenario")):
+        with pytest.raises(SystemExit) as exc:
+            faults.main(argv)
+        assert exc.value.code == 2 and msg in capsys.readouterr().err
