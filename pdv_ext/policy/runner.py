@@ -96,6 +96,7 @@ class PolicyRunner:
         return TrainContext(world_size=self.comm.size, dp_size=dp, micro_batch_size=mbs, micro_batches=mb,
                             lr=lrs[0] if lrs else 0.0, step=step,
                             extra={"stages": int(getattr(self.applier, "num_stages", 1)),
+                                   "lr_scaling": self.lr_scaling,
                                    "data_shares": (self.applier.data_shares()
                                                    if hasattr(self.applier, "data_shares") else None),
                                    "placement": (self.applier.placement()

@@ -148,3 +148,30 @@ def test_no_plateau_while_the_loss_falls_or_without_the_option():
     off = build_policy({"name": "goodput", "warmup_steps": 10, "interval": 10})
     batches = run(off, 400, compute_bound, lambda s: 4.0, loss=_noisy_loss(lambda b: 0.0))
     assert not [d for d in off.decisions if d["kind"] == "plateau"] and batches[-1] == 8
+
+
+def control(batch):  # pdv bench adaptive's task on 2 CPU ranks: T(B) ~ 8.5 ms + 0.26 ms x B
+    return 0.0085 + 0.00026 * batch
+
+
+def test_the_efficiency_model_follows_the_lr_rule():
+    """`efficiency: auto`: the square root of Pollux's efficiency where the LR follows the sqrt rule (Adam's), so
+    on the compute-bound control with a noise scale of 100 the batch grows past where the SGD model stops;
+    `sgd` (or any other rule) keeps Pollux's; the model's name is in every decision."""
+    from pdv_ext.policy.base import TrainContext
+    from pdv_ext.policy.gns import adam_sqrt_efficiency, statistical_efficiency
+
+    assert adam_sqrt_efficiency(100.0, 16, 256) == pytest.approx(((116 / 356) ** 0.5))
+    assert adam_sqrt_efficiency(100.0, 16, 16) == 1.0 and statistical_efficiency(100.0, 16, 256) == 116 / 356
+    ends = {}
+    for rule, opts in (("sqrt", {}), ("linear", {}), ("sqrt", {"efficiency": "sgd"}), ("none", {"efficiency": "adam_sqrt"})):
+        pol = build_policy({"name": "goodput", "min_batch_size": 8, "max_batch_size": 512, "warmup_steps": 10,
+                            "interval": 10, **opts})
+        pol.on_train_begin(TrainContext(world_size=2, dp_size=2, micro_batch_size=4, micro_batches=1, lr=1e-3,
+                                        extra={"lr_scaling": rule}))
+        batches = run(pol, 300, control, lambda s: 100.0)
+        ends[(rule, opts.get("efficiency", "auto"))] = (pol.model, batches[-1])
+        assert all(d["efficiency_model"] == pol.model for d in pol.decisions if "efficiency_model" in d)
+    assert ends[("sqrt", "auto")][0] == "adam_sqrt" and ends[("linear", "auto")][0] == "sgd"
+    assert ends[("sqrt", "sgd")][0] == "sgd" and ends[("none", "adam_sqrt")][0] == "adam_sqrt"
+    assert ends[("sqrt", "auto")][1] > ends[("linear", "auto")][1], ends

@@ -2,7 +2,10 @@
 
 Goodput (Pollux / AdaptDL) is samples per second times the statistical efficiency of the batch, the progress a
 sample makes at batch B relative to a small batch: efficiency(B) = (gns + B0) / (gns + B), from the gradient
-noise scale the Monitor estimates (`pdv_ext.policy.gns`). Unlike `gns_batch_size`, which predicts every
+noise scale the Monitor estimates (`pdv_ext.policy.gns`), for SGD with the LR fitted to each batch. Under the
+sqrt LR rule, Adam's rule, it is the square root of that (`efficiency: auto`, `gns.adam_sqrt_efficiency`):
+Adam's per-coordinate normalisation keeps a sample's progress while the noise dominates and loses it as
+1 / sqrt(B), not 1 / B, once the signal does. Unlike `gns_batch_size`, which predicts every
 throughput from a formula fitted to the step times, this policy trusts a throughput only where it measured it:
 
 - each batch's seconds per step are smoothed (`time_ema`) over the steps run at it, the first step after a
@@ -40,6 +43,7 @@ from pydantic import Field, model_validator
 from ...config_base import StrictModel
 from ...log import logger
 from ..base import Action, Change, LRRule, Policy, SetBatchSize, TrainContext, register_policy
+from ..gns import adam_sqrt_efficiency, statistical_efficiency
 
 
 @register_policy("goodput")
@@ -69,6 +73,10 @@ class Goodput(Policy):
         plateau_steps: Optional[int] = Field(None, ge=2)
         #: standard errors the last window's mean loss must fall below the window before to count as progress
         plateau_z: float = Field(1.0, ge=0.0)
+        #: the statistical efficiency's model: `sgd` (gns + B0) / (gns + B) (Pollux, SGD at its best LR per batch),
+        #: `adam_sqrt` its square root (Adam-like optimizers under the sqrt LR rule), `auto` adam_sqrt where the
+        #: LR follows the sqrt rule (`lr_rule`, else `pdv.policy.lr_scaling`), sgd otherwise
+        efficiency: Literal["auto", "sgd", "adam_sqrt"] = "auto"
 
         @model_validator(mode="after")
         def _bounds(self) -> "Goodput.Options":
@@ -90,9 +98,14 @@ class Goodput(Policy):
         self.losses: List[float] = []
         #: the smallest batch allowed: one the plateau test grew to (smaller ones stalled at this LR)
         self.floor = 0
+        #: the efficiency model in use (`efficiency`, `auto` resolved at the start of training)
+        self.model = "adam_sqrt" if self.options.efficiency == "adam_sqrt" else "sgd"
 
     def on_train_begin(self, ctx: TrainContext) -> None:
         self.last_change = max(self.last_change, int(ctx.step))
+        if self.options.efficiency == "auto":
+            rule = self.options.lr_rule or ctx.extra.get("lr_scaling")
+            self.model = "adam_sqrt" if rule == "sqrt" else "sgd"
 
     def on_change(self, change: Change) -> None:
         """A change of shares or plan (another policy's, a checkpoint's, a recovery) makes every throughput
@@ -140,9 +153,9 @@ class Goodput(Policy):
         return out
 
     # ---- deciding ---------------------------------------------------------------------------------
-    @staticmethod
-    def efficiency(gns: float, batch: int, base: int) -> float:
-        return (gns + base) / (gns + batch)
+    def efficiency(self, gns: float, batch: int, base: int) -> float:
+        fn = adam_sqrt_efficiency if self.model == "adam_sqrt" else statistical_efficiency
+        return fn(gns, base, batch)
 
     def plateau(self) -> Optional[Tuple[float, float, float]]:
         """(mean loss of the window before, of the last window, their standard error) when the last window is
@@ -219,11 +232,11 @@ class Goodput(Policy):
             return []
         g, c, nmb, nmbs, sps, how = best
         kind = "probe" if self.probe else "move"
-        reason = (f"{kind}: samples/s {now_sps:.1f} (measured) -> {sps:.1f} ({how}), efficiency "
+        reason = (f"{kind}: samples/s {now_sps:.1f} (measured) -> {sps:.1f} ({how}), {self.model} efficiency "
                   f"{self.efficiency(gns, batch, base):.3f} -> {self.efficiency(gns, c, base):.3f} at noise scale "
                   f"{gns:.1f}, goodput {now:.1f} -> {g:.1f}{' (best case)' if self.probe else ''}")
         self.decisions.append({"step": step, "from": batch, "to": c, "kind": kind, "samples_per_s": [now_sps, sps],
-                               "how": how, "gns": gns, "goodput": [now, g]})
+                               "how": how, "gns": gns, "goodput": [now, g], "efficiency_model": self.model})
         logger.info("goodput: step %d: batch %d -> %d, %s", step, batch, c, reason)
         self.last_change = step
         return [SetBatchSize(micro_batches=nmb, micro_batch_size=nmbs, lr_rule=self.options.lr_rule, reason=reason)]
