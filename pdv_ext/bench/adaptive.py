@@ -184,7 +184,8 @@ def rank_main(**args: Any) -> Dict[str, Any]:
         keep = args["only"].split(",")
         runs = [r for r in runs if r[0] == "schedule" or (r[0] if r[0] == "adaptive" else str(r[1])) in keep]
     out["schedules"] = []
-    for kind, batch in runs:
+    out["adaptive_rounds"] = []
+    for rnd, (kind, batch) in ((r, run) for r in range(int(args.get("repeats", 1))) for run in runs):
         sched = None
         if kind == "schedule":  # [(first step, global batch), ...]: the same rule applied at fixed steps
             sched, batch = batch, batch[0][1]
@@ -203,28 +204,30 @@ def rank_main(**args: Any) -> Dict[str, Any]:
             eng = _engine(args, batch // dp, lr, plugins, monitor=True, every=args["interval"])
         res = _to_target(args, eng, data_for(eng), xt, yt)
         if dist.get_rank() == 0:
-            log(f"{kind} B={batch}: {json.dumps(res)}")
+            log(f"{kind} B={batch}" + (f", round {rnd + 1}" if args.get("repeats", 1) > 1 else "") +
+                f": {json.dumps(res)}")
         if kind == "fixed":
             out["fixed"].append({"batch": batch, "seconds_to_target": res["seconds"], "steps_to_target": res["steps"],
-                                 "samples_to_target": res["samples"], "final_loss": res["loss"]})
+                                 "samples_to_target": res["samples"], "final_loss": res["loss"], "round": rnd})
         elif kind == "schedule":
             out["schedules"].append({"schedule": [list(x) for x in sched], "seconds_to_target": res["seconds"],
-                                     "steps_to_target": res["steps"], "samples_to_target": res["samples"]})
+                                     "steps_to_target": res["steps"], "samples_to_target": res["samples"],
+                                     "round": rnd})
         else:
-            out["adaptive_seconds_to_target"] = res["seconds"]
-            out["adaptive_steps_to_target"] = res["steps"]
-            out["adaptive_batches"] = res["batches"]
-            out["adaptive_samples_to_target"] = res["samples"]
             runner = eng.pdv_policy.runner
-            # each decision with its reason (the throughputs, efficiencies or plateau that decided it)
-            out["adaptive_decisions"] = runner.applied("SetBatchSize") if runner is not None else []
             rows = eng.pdv_policy.monitor.rows
             gns = [r.get("gns") for r in rows if r.get("gns") is not None]
-            out["adaptive_gns_first_last"] = [gns[0], gns[-1]] if gns else None
-            # (step, batch, gns, step time in ms) every 50 steps: what the policy saw
-            out["adaptive_trace"] = [[r["step"], r["batch_size"], round(r["gns"]), round(1000 * r["step_time"], 1),
-                                      round(1000 * r["compute_max"], 1)]
-                                     for r in rows if r.get("gns") is not None and r["step"] % 50 == 0]
+            out["adaptive_rounds"].append({
+                "round": rnd, "adaptive_seconds_to_target": res["seconds"], "adaptive_steps_to_target": res["steps"],
+                "adaptive_batches": res["batches"], "adaptive_samples_to_target": res["samples"],
+                "adaptive_final_loss": res["loss"],
+                # each decision with its reason (the throughputs, efficiencies or plateau that decided it)
+                "adaptive_decisions": runner.applied("SetBatchSize") if runner is not None else [],
+                "adaptive_gns_first_last": [gns[0], gns[-1]] if gns else None,
+                # (step, batch, gns, step time in ms) every 50 steps: what the policy saw
+                "adaptive_trace": [[r["step"], r["batch_size"], round(r["gns"]), round(1000 * r["step_time"], 1),
+                                    round(1000 * r["compute_max"], 1)]
+                                   for r in rows if r.get("gns") is not None and r["step"] % 50 == 0]})
         if eng.pdv_policy is not None:
             eng.pdv_policy.close()
         del eng
@@ -246,6 +249,38 @@ def rank_main(**args: Any) -> Dict[str, Any]:
         if dist.get_rank() == 0:
             log(f"{key}: wall {oh['wall']:+.3f} cpu {oh['cpu']:+.3f}")
         del eng
+    return out
+
+
+def combine_rounds(res: Dict[str, Any]) -> Dict[str, Any]:
+    """The ranks' per-round runs as one result: each fixed batch (and schedule) its median seconds over the
+    rounds (None when any round did not reach the target: never a median of runs that did not) with every
+    round's under `seconds_rounds`; the adaptive run's figures from its median round (the lower median of an
+    even count), its seconds the median, every round's under `adaptive_seconds_rounds`."""
+    def med(xs: List[Optional[float]]) -> Optional[float]:
+        return None if not xs or any(x is None for x in xs) else median(xs)
+
+    out = dict(res)
+    for key, ident in (("fixed", "batch"), ("schedules", "schedule")):
+        groups: Dict[str, List[Dict[str, Any]]] = {}
+        for row in res.get(key, []):
+            groups.setdefault(json.dumps(row[ident]), []).append(row)
+        out[key] = []
+        for rows in groups.values():
+            secs = [r["seconds_to_target"] for r in rows]
+            mid = sorted(rows, key=lambda r: math.inf if r["seconds_to_target"] is None
+                         else r["seconds_to_target"])[(len(rows) - 1) // 2]
+            out[key].append({**{k: v for k, v in mid.items() if k != "round"}, "seconds_to_target": med(secs),
+                             "seconds_rounds": secs})
+    rounds = res.get("adaptive_rounds") or []
+    if rounds:
+        secs = [r["adaptive_seconds_to_target"] for r in rounds]
+        mid = sorted(rounds, key=lambda r: math.inf if r["adaptive_seconds_to_target"] is None
+                     else r["adaptive_seconds_to_target"])[(len(rounds) - 1) // 2]
+        out.update({k: v for k, v in mid.items() if k != "round"})
+        out["adaptive_seconds_to_target"] = med(secs)
+        out["adaptive_seconds_rounds"] = secs
+    out.pop("adaptive_rounds", None)
     return out
 
 
@@ -329,9 +364,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--schedule", action="append", default=[], metavar="B0,STEP:B1,...",
                     help="also run a hand-written batch schedule, e.g. '16,150:256' (16, then 256 after step 150; "
                          "LR by --lr-rule at each change): what a schedule chosen in hindsight achieves (repeatable)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of every run (fixed batches, adaptive, schedules, interleaved as in one round); "
+                         "each reports the median of its rounds, every round beside it")
     a = ap.parse_args(argv)
     # before any rank starts: --ranks 0 divides by zero below, --batches 0 would start training
-    check_ranges(ap, a, {"--ranks": 1, "--hidden": 1, "--layers": 1, "--heads": 1, "--seq-len": 1, "--held-out": 1,
+    check_ranges(ap, a, {"--repeats": 1, "--ranks": 1, "--hidden": 1, "--layers": 1, "--heads": 1, "--seq-len": 1, "--held-out": 1,
                          "--eval-every": 1, "--max-samples": 1}, ["--target", "--lr", "--timeout"])
     if a.hidden % a.heads:
         ap.error(f"--hidden ({a.hidden}) must be a multiple of --heads ({a.heads})")
@@ -352,7 +390,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "policy": options,  # the policy's defaults (interval 10, warmup 20, ...) but for --policy-option
             "policy_name": a.policy, "gns_preconditioned": a.gns_preconditioned,
             "interval": 10, "overhead_blocks": 12, "overhead_steps": 10, "overhead_only": a.overhead_only,
-            "only": a.only, "schedules": schedules}
+            "only": a.only, "schedules": schedules, "repeats": a.repeats}
     if a.quick:
         args.update(target=max(a.target, 2.2), max_samples=16_384, held_out=256, overhead_blocks=2, overhead_steps=5,
                     interval=5, policy={"interval": 5, "warmup_steps": 5, **options})
@@ -360,16 +398,21 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     log(f"pdv bench adaptive: {a.ranks} ranks, batches {args['batches']}, target held-out loss {args['target']}")
     res = run_ranks("pdv_ext.bench.adaptive:rank_main", a.ranks, args, timeout=a.timeout)[0]
+    res = combine_rounds(res)
     if a.only:
         emit(res, a.json)
         return 0
     best = min((f for f in res["fixed"] if f["seconds_to_target"] is not None),
                key=lambda f: f["seconds_to_target"], default=None)
     ada = res.get("adaptive_seconds_to_target")
-    result = {"fixed": [{k: f[k] for k in ("batch", "seconds_to_target", "steps_to_target", "samples_to_target")}
-                        for f in res["fixed"]],
+    result = {"fixed": [{k: f[k] for k in ("batch", "seconds_to_target", "steps_to_target", "samples_to_target",
+                                           "seconds_rounds")} for f in res["fixed"]],
               "adaptive_seconds_to_target": ada,
+              "adaptive_seconds_rounds": res.get("adaptive_seconds_rounds"),
               "ratio": (ada / best["seconds_to_target"]) if (best and ada) else None,
+              "ratio_rounds": [(r / best["seconds_to_target"]) if (best and r) else None
+                               for r in res.get("adaptive_seconds_rounds", [])],
+              "repeats": a.repeats,
               "monitor_overhead": res["monitor_overhead"],
               "monitor_overhead_cpu": res["monitor_overhead_cpu"],
               "monitor_overhead_every_step": res["monitor_overhead_every_step"],
