@@ -29,12 +29,17 @@ the target with as few samples as fixed 16) but picks batches too small for time
 because the measured noise scale under-predicts how well big batches do here (256 needs 1.6x the samples
 of 16, the noise scale predicts ~3x): ratio ~1.0, target 0.8 missed. Adam-preconditioned noise scale
 (Pollux) was tried and dropped: heavy-tailed (10^4-10^5 within 100 steps, from rarely seen embedding rows).
+`--policy goodput`, whose efficiency under this task's sqrt LR rule is the square root of that formula
+(`gns.adam_sqrt_efficiency`: fixed 256 needs 1.58x the samples of 16, an efficiency of 0.63, which the square
+root gives from noise scales of 100-150), grew 16 -> 32 -> 64 -> 128 with probes of 256 and reached the
+target in 0.85x the best fixed batch's time (2026-11-29, medians of 3 rounds; docs/policy.md).
 
 `--schedule 16,150:256` (repeatable) adds a run that follows a fixed batch schedule with the same LR
 rule: what a schedule chosen in hindsight achieves, the yardstick for the policy's ratio.
 
-JSON: {"fixed": [{"batch", "seconds_to_target", "steps_to_target", "samples_to_target"}, ...],
-"adaptive_seconds_to_target", "ratio", "monitor_overhead", "adaptive_steps_to_target", "adaptive_batches"
+JSON: {"fixed": [{"batch", "seconds_to_target", "steps_to_target", "samples_to_target", "final_loss",
+"seconds_rounds"}, ...], "adaptive_seconds_to_target", "adaptive_final_loss", "held_out_vs_best_fixed" (the held-out
+loss where the adaptive run stopped over the best fixed run's, less 1), "ratio", "monitor_overhead", "adaptive_steps_to_target", "adaptive_batches"
 ([step, batch] at each change), "adaptive_samples_to_target", "adaptive_trace" ([step, batch, gns, step ms,
 slowest rank's forward + backward ms] every 50 steps), "schedules" ([{"schedule", "seconds_to_target",
 "steps_to_target", "samples_to_target", "ratio"}]; empty without --schedule), "target_loss", ...}
@@ -405,9 +410,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     best = min((f for f in res["fixed"] if f["seconds_to_target"] is not None),
                key=lambda f: f["seconds_to_target"], default=None)
     ada = res.get("adaptive_seconds_to_target")
+    ada_loss = res.get("adaptive_final_loss")
     result = {"fixed": [{k: f[k] for k in ("batch", "seconds_to_target", "steps_to_target", "samples_to_target",
-                                           "seconds_rounds")} for f in res["fixed"]],
+                                           "seconds_rounds", "final_loss")} for f in res["fixed"]],
               "adaptive_seconds_to_target": ada,
+              "adaptive_final_loss": ada_loss,
+              # the held-out loss where each stopped (the first evaluation at or under the target)
+              "held_out_vs_best_fixed": (ada_loss / best["final_loss"] - 1.0) if (best and ada and ada_loss) else None,
               "adaptive_seconds_rounds": res.get("adaptive_seconds_rounds"),
               "ratio": (ada / best["seconds_to_target"]) if (best and ada) else None,
               "ratio_rounds": [(r / best["seconds_to_target"]) if (best and r) else None
