@@ -330,7 +330,7 @@ def run_scenario(path: str, steps: Optional[int], timeout: float, only: List[str
     return res
 
 
-#: the rounds' figures `--repeats` reports: the median of each (the worst for what must hold in every round)
+#: the rounds' figures that `--repeats` reports as their medians
 ROUND_FIGURES = ("recovered_vs_disk_restart", "snapshot_overhead", "snapshot_overhead_median",
                  "snapshot_overhead_after", "snapshot_setup_s", "startup_extra_s", "recovery_s")
 
@@ -339,7 +339,8 @@ def _median_rounds(res: Dict[str, Any], rounds: List[Dict[str, Any]]) -> int:
     """Fill `res` (in place) from the rounds' combined figures: each of ROUND_FIGURES the median over the
     rounds, `completed` only when every round completed, `steps_lost` and `held_out_vs_reference` the worst
     round's; the ways' own summaries and the recovery's parts are the median round's (the one whose
-    `recovered_vs_disk_restart` is the median; the first when there is none). With more than one round,
+    `recovered_vs_disk_restart` is the median, the lower of the two middle ones of an even count; rounds
+    without the ratio sort last). With more than one round,
     `rounds` lists each round's figures. Returns the median round's index."""
     def key(i: int) -> float:
         v = rounds[i].get("recovered_vs_disk_restart")
