@@ -40,7 +40,7 @@ from pydantic import Field, ValidationError
 
 from ..config_base import ConfigError, StrictModel, format_errors
 from ..emulate.hoststat import StealSampler, steal_fraction
-from .common import emit, log, parser, ready_jit_ops
+from .common import emit, log, median_item, parser, ready_jit_ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARTIFACTS = os.path.join(ROOT, "build", "bench-adapt")
@@ -632,7 +632,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # each kind's run of median wall time stands for it (its series are plotted); all walls are reported
     walls = {k: [sum(r["durations"]) for r in rs] for k, rs in runs.items()}
     for kind, rs in runs.items():
-        results[kind] = sorted(rs, key=lambda r: sum(r["durations"]))[(len(rs) - 1) // 2]
+        results[kind] = median_item(rs, lambda r: sum(r["durations"]))
     if placement is not None:
         oracle = None  # a pipeline's oracle is the mapper's plan, not a data split
     oracle_is_static = (oracle_plan or {}).get("same_as_start", True) if placement is not None else oracle is None

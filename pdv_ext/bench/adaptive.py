@@ -51,7 +51,7 @@ import math
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from .common import check_ranges, emit, log, median, parser
+from .common import check_ranges, emit, log, median, median_item, parser
 
 
 def _config(mbs: int, lr: float, dp: int, plugins: Optional[list], monitor: bool, every: int = 1,
@@ -273,15 +273,13 @@ def combine_rounds(res: Dict[str, Any]) -> Dict[str, Any]:
         out[key] = []
         for rows in groups.values():
             secs = [r["seconds_to_target"] for r in rows]
-            mid = sorted(rows, key=lambda r: math.inf if r["seconds_to_target"] is None
-                         else r["seconds_to_target"])[(len(rows) - 1) // 2]
+            mid = median_item(rows, lambda r: r["seconds_to_target"])
             out[key].append({**{k: v for k, v in mid.items() if k != "round"}, "seconds_to_target": med(secs),
                              "seconds_rounds": secs})
     rounds = res.get("adaptive_rounds") or []
     if rounds:
         secs = [r["adaptive_seconds_to_target"] for r in rounds]
-        mid = sorted(rounds, key=lambda r: math.inf if r["adaptive_seconds_to_target"] is None
-                     else r["adaptive_seconds_to_target"])[(len(rounds) - 1) // 2]
+        mid = median_item(rounds, lambda r: r["adaptive_seconds_to_target"])
         out.update({k: v for k, v in mid.items() if k != "round"})
         out["adaptive_seconds_to_target"] = med(secs)
         out["adaptive_seconds_rounds"] = secs

@@ -4,11 +4,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import statistics
 import sys
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, TypeVar
 
 from ..cli_args import check_ranges  # noqa: F401  (the benches' flag checks)
+
+T = TypeVar("T")
 
 
 def parser(name: str, doc: Optional[str]) -> argparse.ArgumentParser:
@@ -51,6 +54,15 @@ def emit(result: Dict[str, Any], as_json: bool) -> None:
 
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
+
+
+def median_item(items: Sequence[T], key: Callable[[T], Optional[float]]) -> T:
+    """The item whose key is the median: the lower of the two middle ones of an even count, so the pick is a
+    round that ran; a key of None sorts last (a round without the figure is never preferred)."""
+    def k(item: T) -> float:
+        v = key(item)
+        return math.inf if v is None else v
+    return sorted(items, key=k)[(len(items) - 1) // 2]
 
 
 def log(msg: str) -> None:

@@ -42,7 +42,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ..spawn import default_env, free_port, kill_matching, remove_deepspeed_shm
-from .common import check_ranges, emit, log, parser, ready_jit_ops
+from .common import check_ranges, emit, log, median_item, parser, ready_jit_ops
 
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
 WARMUP = 4  # the first steps of a run, apart in the step-time figures (start-up, the first snapshots' set-up)
@@ -342,12 +342,7 @@ def _median_rounds(res: Dict[str, Any], rounds: List[Dict[str, Any]]) -> int:
     `recovered_vs_disk_restart` is the median, the lower of the two middle ones of an even count; rounds
     without the ratio sort last). With more than one round,
     `rounds` lists each round's figures. Returns the median round's index."""
-    def key(i: int) -> float:
-        v = rounds[i].get("recovered_vs_disk_restart")
-        return v if v is not None else math.inf
-
-    order = sorted(range(len(rounds)), key=key)
-    mid = order[(len(order) - 1) // 2]  # the lower median of an even count: a round that ran
+    mid = median_item(range(len(rounds)), lambda i: rounds[i].get("recovered_vs_disk_restart"))
     res.update(rounds[mid])
     for k in ROUND_FIGURES:
         vals = [rnd[k] for rnd in rounds if rnd.get(k) is not None]
