@@ -62,17 +62,32 @@ class TensorRef:
         self.i = i
 
 
-def flatten(obj: Any, out: List[Any]) -> Any:
-    """`obj` with each tensor replaced by a TensorRef and appended to `out` (dicts, lists, tuples rebuilt)."""
+def flatten(obj: Any, out: List[Any], tokens: Optional[List[Any]] = None) -> Any:
+    """`obj` with each tensor replaced by a TensorRef and appended to `out` (dicts, lists, tuples rebuilt).
+    `tokens`, when given, receives what the pickle of the result depends on besides the tensors' layout: each
+    container's type and size, each key and value with its type (equal tokens: an equal pickle)."""
     import torch
 
     if isinstance(obj, torch.Tensor):
         out.append(obj)
+        if tokens is not None:
+            tokens.append(len(out) - 1)
         return TensorRef(len(out) - 1)
     if isinstance(obj, dict):
+        if tokens is not None:
+            tokens.append((dict, len(obj)))
+            res = {}
+            for k, v in obj.items():
+                tokens.append((type(k), k))
+                res[k] = flatten(v, out, tokens)
+            return res
         return {k: flatten(v, out) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(flatten(v, out) for v in obj)
+        if tokens is not None:
+            tokens.append((type(obj), len(obj)))
+        return type(obj)(flatten(v, out, tokens) for v in obj)
+    if tokens is not None:
+        tokens.append((type(obj), obj))
     return obj
 
 
@@ -99,6 +114,9 @@ class Keeper:
         self.size = 0
         self.buffer: Any = None
         self._mapped = False  # the keeper has mapped the buffer: its name can go (the memory stays while mapped)
+        # the last snapshot's pickles and what they were made from: a snapshot of the same structure (every
+        # step under one plan, but for values such as the optimizer's step count) reuses them
+        self._pickled: Optional[Tuple[Any, Dict[str, Tuple[bytes, List[int]]]]] = None
         self._registered = False  # page-locked for CUDA (unregistered before it is unmapped)
 
     def _ensure(self, size: int) -> None:
@@ -127,7 +145,8 @@ class Keeper:
         path) and pickle each file's structure around references to them; returns {name: (data.pkl, the
         tensors it refers to)} and each tensor's (offset, bytes) in the buffer, for `write`."""
         tensors: List[Any] = []
-        flat = flatten(files, tensors)
+        tokens: List[Any] = []
+        flat = flatten(files, tensors, tokens)
         offsets, total = [], 0
         for t in tensors:
             offsets.append(total)
@@ -144,7 +163,12 @@ class Keeper:
                 self.buffer[off:off + n].view(t.dtype).view(t.shape).copy_(t.detach(), non_blocking=t.is_cuda)
             layout.append((off, str(t.dtype).replace("torch.", ""), tuple(t.shape)))
             spans.append((off, n))
-        pickles = {name: data_pickle(obj, layout, TensorRef) for name, obj in flat.items()}
+        key = (tuple(tokens), tuple(layout))
+        if self._pickled is not None and self._pickled[0] == key:
+            pickles = self._pickled[1]  # the same structure, layout and values: the same bytes
+        else:
+            pickles = {name: data_pickle(obj, layout, TensorRef) for name, obj in flat.items()}
+            self._pickled = (key, pickles)
         if on_gpu:
             import torch
 
@@ -226,6 +250,31 @@ def _join_cgroup() -> None:
                 f.write("0")
         except OSError as exc:
             print(f"pdv snapshot keeper: could not join {procs}: {exc}", file=sys.stderr)
+
+
+_THREAD_JOIN_FAILED = False
+
+
+def join_host_cpu_thread() -> None:
+    """Move the calling thread (a worker's snapshot thread) into its host's CPU group, where the emulator runs
+    the keepers. Why: on a real host that thread's work (the keepers' requests, `meta.pt`, the seal, the
+    barrier) runs on a host core beside the GPU, not on the device; under `pdv emulate` it ran under the
+    device's CPU quota instead, so a slow device's snapshots cost its steps what a real one's would not (issue
+    #37). cgroup v1 moves one thread through the group's `tasks`; v2 only within a threaded subtree, which
+    the emulator's groups are not: there the thread stays (one line on stderr). Outside the emulator
+    (no PDV_KEEPER_CGROUP) nothing happens."""
+    global _THREAD_JOIN_FAILED
+    procs = os.environ.get(CGROUP_ENV)
+    if not procs or _THREAD_JOIN_FAILED:
+        return
+    tasks = os.path.join(os.path.dirname(procs), "tasks")
+    try:
+        with open(tasks, "w") as f:
+            f.write("0")  # 0: the writing thread
+    except OSError as exc:
+        _THREAD_JOIN_FAILED = True
+        print(f"pdv snapshots: the snapshot thread stays under the device's CPU quota ({tasks}: {exc})",
+              file=sys.stderr)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

@@ -153,3 +153,50 @@ def test_a_keeper_waiting_for_a_copy_leaves_when_its_worker_gives_up(tmp_path):
     t0 = time.monotonic()
     b.proc.stdin.close()  # the worker gave the snapshot up: end of the pipe
     assert b.proc.wait(timeout=20) == 0 and time.monotonic() - t0 < 5
+
+
+def test_a_snapshot_of_the_same_structure_reuses_the_pickles_and_a_changed_value_does_not(tmp_path):
+    """Under one plan every step's state has the same structure: the pickles of the last snapshot are reused
+    (only the tensors' bytes change). Any other value, or the same value of another type, pickles again; the
+    files always load with the staged step's values."""
+    def state(step, lr):
+        return {"layer_00.pt": {"w": {"tensors": {"weight": torch.full((3, 2), float(step))},
+                                      "scalars": {"lr": lr, "step": step}, "replicas": [None]}}}
+
+    k = Keeper()
+    try:
+        staged = []
+        for step, lr in ((1, 0.5), (2, 0.5), (3, 0.25), (4, 0.25), (5, 1), (6, 1)):
+            pickles, spans = k.stage(state(step, lr))
+            reply = k.write(pickles, spans, root=str(tmp_path), job="j", host="h", step=step, write=True,
+                            only_first=False)
+            staged.append(pickles)
+            got = torch.load(HostStore(str(tmp_path), "j", "h").folder(step) + "/layer_00.pt", weights_only=True)
+            assert reply["sealed"]["layer_00.pt"]["bytes"] > 0
+            assert torch.equal(got["w"]["tensors"]["weight"], torch.full((3, 2), float(step)))
+            assert got["w"]["scalars"] == {"lr": lr, "step": step} and type(got["w"]["scalars"]["lr"]) is type(lr)
+    finally:
+        k.close()
+    # the step count is a scalar here, so each step pickles again; the same state twice reuses them
+    assert all(a is not b for a, b in zip(staged, staged[1:]))
+    k = Keeper()
+    try:
+        first, _ = k.stage(state(7, 0.5))
+        again, _ = k.stage(state(7, 0.5))
+        other_type, _ = k.stage(state(7, 0.5 + 0j))  # equal to 0.5, of another type
+        int_lr, _ = k.stage(state(7, 1))
+        float_lr, _ = k.stage(state(7, 1.0))
+    finally:
+        k.close()
+    assert again is first and other_type is not first
+    assert float_lr is not int_lr  # 1 == 1.0, but their pickles differ
+    w = torch.ones(2)
+    k = Keeper()
+    try:  # a tensor of another shape or dtype (the layout) pickles again
+        a, _ = k.stage({"layer_00.pt": {"t": w}})
+        b, _ = k.stage({"layer_00.pt": {"t": torch.ones(3)}})
+        c, _ = k.stage({"layer_00.pt": {"t": w.double()}})
+        d, _ = k.stage({"layer_00.pt": {"t": w * 2}})
+    finally:
+        k.close()
+    assert b is not a and c is not b and d is not c  # (d: only the last snapshot's pickles are kept)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ...comm.torch_comm import interrupted
 from ...recovery import injected
-from ...recovery.keeper import Keeper, local_address
+from ...recovery.keeper import Keeper, join_host_cpu_thread, local_address
 from ...recovery.store import (HostStore, SnapshotLost, generation_of, missing_files, newest_complete,
                                newest_generation, step_entries, tag_of)
 from .checkpoint import load_layer_checkpoint, meta_of, stage_layer_entries
@@ -380,12 +380,14 @@ class Snapshots:
 
     def _run(self, **job: Any) -> None:
         try:
+            join_host_cpu_thread()  # (the emulator: a real host runs this thread beside the device)
             self._write(**job)
         except BaseException as exc:  # raised in the training thread at the next take / wait
             self._error = exc
 
     def _run_agree(self, t0: float, step_s: float) -> None:
         try:
+            join_host_cpu_thread()
             self.interval = self._agree_interval(time.perf_counter() - t0, step_s, self._group)
         except BaseException as exc:
             self._error = exc
