@@ -68,26 +68,22 @@ def flatten(obj: Any, out: List[Any], tokens: Optional[List[Any]] = None) -> Any
     container's type and size, each key and value with its type (equal tokens: an equal pickle)."""
     import torch
 
+    tokens = [] if tokens is None else tokens
     if isinstance(obj, torch.Tensor):
         out.append(obj)
-        if tokens is not None:
-            tokens.append(len(out) - 1)
+        tokens.append(len(out) - 1)
         return TensorRef(len(out) - 1)
     if isinstance(obj, dict):
-        if tokens is not None:
-            tokens.append((dict, len(obj)))
-            res = {}
-            for k, v in obj.items():
-                tokens.append((type(k), k))
-                res[k] = flatten(v, out, tokens)
-            return res
-        return {k: flatten(v, out) for k, v in obj.items()}
+        tokens.append((dict, len(obj)))
+        res = {}
+        for k, v in obj.items():
+            tokens.append((type(k), k))
+            res[k] = flatten(v, out, tokens)
+        return res
     if isinstance(obj, (list, tuple)):
-        if tokens is not None:
-            tokens.append((type(obj), len(obj)))
+        tokens.append((type(obj), len(obj)))
         return type(obj)(flatten(v, out, tokens) for v in obj)
-    if tokens is not None:
-        tokens.append((type(obj), obj))
+    tokens.append((type(obj), obj))
     return obj
 
 
@@ -242,14 +238,22 @@ def _die_with_parent() -> None:
         pass
 
 
+def _enter_group(path: str, failed: str) -> bool:
+    """Write 0 (the writer: the process into `cgroup.procs`, the thread into `tasks`) into `path`; False, with
+    `failed` and the error on stderr, where that cannot be done."""
+    try:
+        with open(path, "w") as f:
+            f.write("0")
+        return True
+    except OSError as exc:
+        print(f"{failed} ({path}: {exc})", file=sys.stderr)
+        return False
+
+
 def _join_cgroup() -> None:
     procs = os.environ.get(CGROUP_ENV)
     if procs:
-        try:
-            with open(procs, "w") as f:
-                f.write("0")
-        except OSError as exc:
-            print(f"pdv snapshot keeper: could not join {procs}: {exc}", file=sys.stderr)
+        _enter_group(procs, "pdv snapshot keeper: could not join its host's CPU group")
 
 
 _THREAD_JOIN_FAILED = False
@@ -265,16 +269,9 @@ def join_host_cpu_thread() -> None:
     (no PDV_KEEPER_CGROUP) nothing happens."""
     global _THREAD_JOIN_FAILED
     procs = os.environ.get(CGROUP_ENV)
-    if not procs or _THREAD_JOIN_FAILED:
-        return
-    tasks = os.path.join(os.path.dirname(procs), "tasks")
-    try:
-        with open(tasks, "w") as f:
-            f.write("0")  # 0: the writing thread
-    except OSError as exc:
-        _THREAD_JOIN_FAILED = True
-        print(f"pdv snapshots: the snapshot thread stays under the device's CPU quota ({tasks}: {exc})",
-              file=sys.stderr)
+    if procs and not _THREAD_JOIN_FAILED:
+        _THREAD_JOIN_FAILED = not _enter_group(os.path.join(os.path.dirname(procs), "tasks"),
+                                               "pdv snapshots: the snapshot thread stays under the device's CPU quota")
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
