@@ -10,6 +10,10 @@
     python emulate_workers.py stream S     rank 0 streams bytes to rank 1 for S seconds; rank 1 calls
                                            pdv_ext.emulate.events.mark_start() when the first bytes arrive and
                                            prints the bytes received per 0.25 s window as JSON
+    python emulate_workers.py hol MARK     rank 2 streams bulk bytes to rank 0 (MARK 1: on a connection marked as
+                                           the snapshot keepers' copies are, recovery.keeper.background_socket)
+                                           while rank 0 times 8 KB round trips to rank 2 on another connection;
+                                           rank 0 prints their medians, idle and under the stream, as JSON
     python emulate_workers.py groups       print this rank's CPU group before and after
                                            pdv_ext.emulated_device.enter_device_group(), and the cores its
                                            device clock reads, as JSON
@@ -188,6 +192,96 @@ def groups() -> None:
           flush=True)
 
 
+HOL_MSG = 8192
+
+
+def _exact(c: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = c.recv_into(view[got:], n - got)
+        if not k:
+            raise ConnectionError("peer closed")
+        got += k
+    return bytes(buf)
+
+
+def hol(mark: bool) -> None:
+    import statistics
+    import threading
+
+    rank = int(os.environ["RANK"])
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 2
+    if rank == 0:
+        srv = socket.socket()
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind((addr, port))
+        srv.listen(2)
+        conns = {}
+        while len(conns) < 2:
+            c, _ = srv.accept()
+            conns[_exact(c, 1)] = c
+        bulk, echo = conns[b"b"], conns[b"e"]
+
+        def rtts(n: int) -> float:
+            out = []
+            for _ in range(n):
+                t = time.perf_counter()
+                echo.sendall(b"x" * HOL_MSG)
+                _exact(echo, HOL_MSG)
+                out.append(time.perf_counter() - t)
+                time.sleep(0.01)
+            return statistics.median(out)
+
+        idle = rtts(30)
+        bulk.sendall(b"g")
+
+        def drain() -> None:
+            try:
+                while bulk.recv(1 << 20):
+                    pass
+            except OSError:
+                pass
+
+        threading.Thread(target=drain, daemon=True).start()
+        time.sleep(1.0)  # the stream's queue built up
+        loaded = rtts(60)
+        print(json.dumps({"idle_ms": idle * 1e3, "loaded_ms": loaded * 1e3}), flush=True)
+        echo.sendall(b"q" * HOL_MSG)
+    elif rank == 2:
+        from pdv_ext.recovery.keeper import background_socket
+
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                bulk = background_socket((addr, port), 60) if mark else socket.create_connection((addr, port), 60)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        bulk.sendall(b"b")
+        echo = socket.create_connection((addr, port), 60)
+        echo.sendall(b"e")
+
+        def stream() -> None:
+            _exact(bulk, 1)  # go
+            payload = b"\0" * (1 << 20)
+            try:
+                while True:
+                    bulk.sendall(payload)
+            except OSError:
+                pass
+
+        threading.Thread(target=stream, daemon=True).start()
+        while True:
+            msg = _exact(echo, HOL_MSG)
+            if msg[:1] == b"q":
+                break
+            echo.sendall(msg)
+        os._exit(0)  # (the stream's thread is still sending)
+
+
 if __name__ == "__main__":
     what = sys.argv[1]
     if what == "env":
@@ -207,3 +301,5 @@ if __name__ == "__main__":
         stream(float(sys.argv[2]))
     elif what == "groups":
         groups()
+    elif what == "hol":
+        hol(sys.argv[2] == "1")

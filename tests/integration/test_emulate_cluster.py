@@ -121,6 +121,21 @@ def test_ranks_see_launcher_env_and_limited_bandwidth(cluster):
     assert 0.6 * inter < bw[3] < 1.2 * inter, bw
 
 
+@pytest.mark.timeout(120)
+def test_background_traffic_waits_for_the_rest_of_a_link(cluster):
+    """A bulk stream marked as the snapshot keepers' copies are (`recovery.keeper.background_socket`) leaves
+    the link's other traffic as fast as an idle link does; unmarked, an 8 KB round trip waits behind its
+    queue (the emulator's link classes serve the background leaf last)."""
+    loaded = {}
+    for mark in ("0", "1"):
+        p = _emulate(cluster, f"pdv-{secrets.token_hex(3)}", "hol", mark, timeout=60)
+        assert p.returncode == 0, p.stderr
+        out = _rank_json(p.stdout)[0]
+        loaded[mark] = out["loaded_ms"]
+    # 40 Mbit/s: one 9000-byte packet ahead of the round trip is 1.8 ms; the unmarked stream's queue is more
+    assert loaded["1"] < 0.5 * loaded["0"], loaded
+
+
 @pytest.mark.timeout(90)
 def test_startup_on_host_then_the_device_quota(cluster):
     """`--startup-on-host`: a worker starts in its device's start-up group (no quota) and enters the device's

@@ -242,14 +242,22 @@ def test_live_rate_and_delay_changes_stay_in_the_runs_namespaces(spec, monkeypat
     assert calls[0][:12] == ("tc", "-n", "pdv-abc123-d1", "class", "change", "dev", "eth0", "parent", "1:",
                              "classid", "1:13", "htb")
     assert calls[0][calls[0].index("rate") + 1] == calls[0][calls[0].index("ceil") + 1] == "10000000bit"
-    assert calls[1][:11] == ("tc", "-n", "pdv-abc123-h0", "class", "change", "dev", "up0", "parent", "1:",
+    # the link's two leaves (all traffic; what is marked as background) may borrow up to its new rate
+    for call, leaf in zip(calls[1:3], ("1:113", "1:213")):
+        assert call[:12] == ("tc", "-n", "pdv-abc123-d1", "class", "change", "dev", "eth0", "parent", "1:13",
+                             "classid", leaf, "htb")
+        assert call[call.index("ceil") + 1] == "10000000bit" and call[call.index("rate") + 1] == "8000bit"
+    assert [c[-1] for c in calls[1:3]] == ["0", "1"]  # their priorities: the background leaf last
+    assert calls[3][:11] == ("tc", "-n", "pdv-abc123-h0", "class", "change", "dev", "up0", "parent", "1:",
                              "classid", "1:11")
-    assert calls[1][calls[1].index("rate") + 1] == "20000000bit" and len(calls) == 2
+    assert calls[3][calls[3].index("rate") + 1] == "20000000bit" and len(calls) == 6
     net = netns.Network(spec, "pdv-abc123", netem=True)
     assert net.set_delay(3, 1, 5e-3) and net.set_delay(3, 0, 0.0)
-    assert calls[2] == ("tc", "-n", "pdv-abc123-d3", "qdisc", "replace", "dev", "eth0", "parent", "1:11", "netem",
+    for call, leaf in zip(calls[6:8], ("1:111", "1:211")):
+        assert call == ("tc", "-n", "pdv-abc123-d3", "qdisc", "replace", "dev", "eth0", "parent", leaf, "netem",
                         "delay", "5000us", "limit", "100000")
-    assert calls[3][:10] == ("tc", "-n", "pdv-abc123-d3", "qdisc", "replace", "dev", "eth0", "parent", "1:10",
+    for call, leaf in zip(calls[8:10], ("1:110", "1:210")):
+        assert call[:10] == ("tc", "-n", "pdv-abc123-d3", "qdisc", "replace", "dev", "eth0", "parent", leaf,
                              "pfifo")
 
 

@@ -200,3 +200,34 @@ def test_a_snapshot_of_the_same_structure_reuses_the_pickles_and_a_changed_value
     finally:
         k.close()
     assert b is not a and c is not b and d is not c  # (d: only the last snapshot's pickles are kept)
+
+
+def test_the_copies_for_other_hosts_go_marked_as_background_traffic():
+    """The keepers' copies (`push`) connect through `background_socket`: DSCP CS1 in the IP header, which a
+    network with QoS (and `pdv emulate`'s links) serves after the training's own traffic."""
+    import socket
+
+    from pdv_ext.recovery import keeper
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    try:
+        with keeper.background_socket(("127.0.0.1", srv.getsockname()[1]), 10.0) as sock:
+            assert sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) == keeper.BACKGROUND_TOS == 0x20
+            if hasattr(socket, "SO_PRIORITY"):
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY) == keeper.TC_PRIO_BULK
+    finally:
+        srv.close()
+
+
+def test_push_sends_over_a_background_socket(tmp_path, monkeypatch):
+    from pdv_ext.recovery import keeper
+
+    used, original = [], keeper.background_socket
+    monkeypatch.setattr(keeper, "background_socket", lambda to, timeout: used.append(to) or original(to, timeout))
+    copies = keeper.Copies(HostStore(str(tmp_path), "j", "hostB"), "t", 10.0)
+    sent = keeper.push(HostStore(str(tmp_path), "j", "hostA"), 1, ["layer_00.pt"], ("127.0.0.1", copies.port), "t",
+                       0, 10.0, {(1, "layer_00.pt"): b"abc"})
+    assert sent == 3 and used == [("127.0.0.1", copies.port)]
+    assert HostStore(str(tmp_path), "j", "hostB").read_raw(1, "layer_00.pt") == b"abc"
