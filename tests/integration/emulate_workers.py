@@ -195,20 +195,11 @@ def groups() -> None:
 HOL_MSG = 8192
 
 
-def _exact(c: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = c.recv_into(view[got:], n - got)
-        if not k:
-            raise ConnectionError("peer closed")
-        got += k
-    return bytes(buf)
-
-
 def hol(mark: bool) -> None:
     import statistics
     import threading
+
+    from pdv_ext.recovery.keeper import _recv_exact as _exact, background_socket
 
     rank = int(os.environ["RANK"])
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 2
@@ -249,8 +240,6 @@ def hol(mark: bool) -> None:
         print(json.dumps({"idle_ms": idle * 1e3, "loaded_ms": loaded * 1e3}), flush=True)
         echo.sendall(b"q" * HOL_MSG)
     elif rank == 2:
-        from pdv_ext.recovery.keeper import background_socket
-
         deadline = time.monotonic() + 30
         while True:
             try:
