@@ -137,7 +137,7 @@ def test_a_rank_under_the_emulator_prints_its_stacks_on_the_signal_and_only_it_g
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = ("from pdv_ext.emulated_device import dump_stacks_on_signal as d; import time\n"
             "print(d(), flush=True)\n"
-            "def waits_here():\n    time.sleep(60)\n"
+            "def waits_here():\n    print('waiting', flush=True)\n    time.sleep(60)\n"
             "waits_here()\n")
     env = {k: v for k, v in os.environ.items() if k != "PDV_EMULATION"}
     env["PYTHONPATH"] = root
@@ -146,6 +146,9 @@ def test_a_rank_under_the_emulator_prints_its_stacks_on_the_signal_and_only_it_g
     ranked, plain = procs
     try:
         assert ranked.stdout.readline().strip() == "True" and plain.stdout.readline().strip() == "False"
+        # (the signal only once the rank is inside waits_here: sent after the first line alone, it once came
+        # while the main thread was still on the print's line, and the stack had no waits_here in it)
+        assert ranked.stdout.readline().strip() == "waiting" and plain.stdout.readline().strip() == "waiting"
         assert catches(ranked.pid, signal.SIGUSR1) and not catches(plain.pid, signal.SIGUSR1)
         os.kill(ranked.pid, signal.SIGUSR1)
         time.sleep(1.0)
